@@ -1,0 +1,28 @@
+"""engine-gateway client library: needs only pyzmq and msgspec.
+
+``AsyncClient`` (asyncio) and ``Client`` (blocking) speak docs/PROTOCOL.md to
+a gateway; results are the codec's typed structs, errors are ClientError
+subclasses carrying the gateway's ErrorCode.
+"""
+
+from codec import ErrorCode, FinishReason, RequestOptions, RequestOutput, SamplingParams
+
+from .aio import AsyncClient
+from .errors import ClientError, GatewayUnavailable, RequestFailed, RequestOverloaded
+from .results import Completion
+from .sync import Client
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "ClientError",
+    "RequestFailed",
+    "RequestOverloaded",
+    "GatewayUnavailable",
+    "SamplingParams",
+    "RequestOptions",
+    "RequestOutput",
+    "FinishReason",
+    "ErrorCode",
+]

@@ -1,0 +1,65 @@
+"""Completion: a whole sample, accumulated from a request's RequestOutputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from codec import Finished, FinishReason, Logprobs, RequestOutput
+
+__all__ = ["Completion", "Accumulator"]
+
+
+@dataclass(slots=True)
+class Completion:
+    """Everything one sample produced, with its terminal information."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stop_reason: int | None
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+
+
+def _extend(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
+    if a is None or b is None:
+        return a or b
+    return Logprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
+
+
+@dataclass(slots=True)
+class Accumulator:
+    """Folds a request's RequestOutputs into one Completion per sample."""
+
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, Logprobs | None] = field(default_factory=dict)
+    prompt_logprobs: dict[int, Logprobs | None] = field(default_factory=dict)
+    done: dict[int, Completion] = field(default_factory=dict)
+
+    def add(self, out: RequestOutput) -> Completion | None:
+        """Fold one output in; returns the sample's Completion when it finished."""
+        i = out.index
+        self.token_ids.setdefault(i, []).extend(out.new_token_ids)
+        self.logprobs[i] = _extend(self.logprobs.get(i), out.logprobs)
+        self.prompt_logprobs[i] = _extend(self.prompt_logprobs.get(i), out.prompt_logprobs)
+        fin: Finished | None = out.finished
+        if fin is None:
+            return None
+        completion = Completion(
+            request_id=out.request_id,
+            index=i,
+            token_ids=self.token_ids[i],
+            finish_reason=fin.finish_reason,
+            stop_reason=fin.stop_reason,
+            prompt_tokens=fin.prompt_tokens,
+            output_tokens=fin.output_tokens,
+            cached_tokens=fin.cached_tokens,
+            logprobs=self.logprobs[i],
+            prompt_logprobs=self.prompt_logprobs[i],
+        )
+        self.done[i] = completion
+        return completion

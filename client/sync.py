@@ -1,0 +1,100 @@
+"""Client: a blocking wrapper over AsyncClient for scripts and notebooks.
+
+It runs its own event loop on a daemon thread; every call is submitted to
+that loop. Breaking out of a ``generate`` loop aborts the request there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from codec import AbortAck, HealthReply, ModelInfoReply, RequestOptions, RequestOutput, SamplingParams
+
+from .aio import AsyncClient
+from .results import Completion
+
+__all__ = ["Client"]
+
+
+class Client:
+    """Blocking client; use as ``with Client(address) as client``."""
+
+    def __init__(self, address: str, **kwargs: Any):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="gateway-client-loop")
+        self._thread.start()
+        self._async = AsyncClient(address, **kwargs)
+        try:
+            self._run(self._async.connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def hello_ack(self):  # noqa: ANN201 - HelloAck
+        return self._async.hello_ack
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        stream: bool = True,
+        request_id: str | None = None,
+        options: RequestOptions | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Like AsyncClient.generate, as a plain iterator."""
+        agen = self._async.generate(prompt_token_ids, sampling, stream=stream,
+                                    request_id=request_id, options=options)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def complete(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
+                 **kwargs: Any) -> Completion:
+        return self._run(self._async.complete(prompt_token_ids, sampling, **kwargs))
+
+    def complete_samples(self, prompt_token_ids: Sequence[int],
+                         sampling: SamplingParams | None = None, **kwargs: Any) -> list[Completion]:
+        return self._run(self._async.complete_samples(prompt_token_ids, sampling, **kwargs))
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> AbortAck:
+        return self._run(self._async.abort(request_ids))
+
+    def ping(self) -> float:
+        return self._run(self._async.ping())
+
+    def model_info(self) -> ModelInfoReply:
+        return self._run(self._async.model_info())
+
+    def health(self) -> HealthReply:
+        return self._run(self._async.health())
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            try:
+                self._run(self._async.aclose())
+            finally:
+                self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)

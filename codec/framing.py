@@ -1,0 +1,168 @@
+"""Framing: how messages map onto ZeroMQ multipart messages, and back.
+
+Rule: after the ROUTER identity a message is exactly two frames, a one-byte
+protocol version then the msgpack payload. ``decode_client`` checks frame
+count, version, size, then the payload, in that order, and raises
+ProtocolError with one ErrorCode per failure. Nothing here touches a socket.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from .errors import ProtocolError
+from .messages import (
+    CLIENT_TAGS,
+    PROTOCOL_VERSION,
+    ClientMessage,
+    ErrorCode,
+    Generate,
+    ServerMessage,
+)
+
+__all__ = [
+    "VERSION_FRAME",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "encode",
+    "encode_payload",
+    "decode_client",
+    "decode_server",
+]
+
+VERSION_FRAME = bytes([PROTOCOL_VERSION])
+DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
+"""Largest payload frame a gateway accepts unless configured otherwise."""
+
+Buffer = bytes | bytearray | memoryview
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+_any_decoder = msgspec.msgpack.Decoder()
+
+_PATH = re.compile(r" - at `\$(?:\[(\d+)\])?(.*)`$")
+
+
+def encode_payload(msg: msgspec.Struct) -> bytes:
+    """Encode one message's payload frame (without the version frame)."""
+    return _encoder.encode(msg)
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    """Encode one message as its frames: ``[VERSION_FRAME, payload]``."""
+    return [VERSION_FRAME, _encoder.encode(msg)]
+
+
+def _check_frames(frames: Sequence[Buffer], max_frame_bytes: int) -> Buffer:
+    if len(frames) != 2:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME_COUNT,
+            f"expected 2 frames (version, payload) after the identity, got {len(frames)}",
+        )
+    version, payload = frames
+    if len(version) != 1 or version[0] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"unsupported protocol version frame {bytes(version[:8]).hex()!r};"
+            f" this peer speaks version {PROTOCOL_VERSION} (frame b'\\x0{PROTOCOL_VERSION}')",
+        )
+    if len(payload) > max_frame_bytes:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE,
+            f"payload of {len(payload)} bytes exceeds the limit of {max_frame_bytes} bytes",
+        )
+    return payload
+
+
+def decode_client(
+    frames: Sequence[Buffer], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> ClientMessage:
+    """Decode a client's frames (identity already removed) into a ClientMessage.
+
+    Raises:
+        ProtocolError: the peer's fault; its ``code`` says which rule broke and
+            ``request_id`` is set when the bad message was a readable Generate.
+    """
+    payload = _check_frames(frames, max_frame_bytes)
+    try:
+        return _client_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise _translate_validation(exc, payload) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"payload is not valid msgpack: {exc}") from None
+
+
+def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
+    """Decode a gateway's frames into a ServerMessage (for clients).
+
+    Raises:
+        ProtocolError: the gateway sent something this client cannot read
+            (for instance a newer message tag).
+    """
+    payload = _check_frames(frames, max_frame_bytes=2**62)
+    try:
+        return _server_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        code = ErrorCode.UNKNOWN_MESSAGE if "`$[0]`" in str(exc) else ErrorCode.INVALID_MESSAGE
+        raise ProtocolError(code, f"unreadable gateway message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"gateway payload is not msgpack: {exc}") from None
+
+
+def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> ProtocolError:
+    """Rewrite a msgspec validation error into field names and an ErrorCode."""
+    raw = _peek(payload)
+    tag = raw[0] if isinstance(raw, list) and raw else None
+    cls = CLIENT_TAGS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
+    request_id = None
+    if cls is Generate and len(raw) > 1 and isinstance(raw[1], str):
+        request_id = raw[1]
+    text = str(exc)
+    match = _PATH.search(text)
+    if cls is None:
+        if isinstance(raw, list) and raw:
+            return ProtocolError(
+                ErrorCode.UNKNOWN_MESSAGE,
+                f"unknown message tag {tag!r}; known client tags: {sorted(CLIENT_TAGS)}",
+            )
+        return ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            f"a message is a msgpack array whose first element is its tag: {text}",
+        )
+    name = cls.__name__
+    if match is None:
+        # Root shape: too few items means a missing required field.
+        required = [f for f, d in zip(cls.__struct_fields__, _defaults(cls)) if d]
+        if isinstance(raw, list) and len(raw) - 1 < len(required):
+            missing = ", ".join(required[len(raw) - 1 :])
+            return ProtocolError(
+                ErrorCode.INVALID_MESSAGE, f"{name}: missing required field(s) {missing}", request_id
+            )
+        return ProtocolError(ErrorCode.INVALID_MESSAGE, f"{name}: {text}", request_id)
+    index, rest = match.groups()
+    where = text[: match.start()]
+    if index is None or int(index) == 0:
+        field = "message"
+    else:
+        fields = cls.__struct_fields__
+        position = int(index) - 1
+        field = fields[position] if position < len(fields) else f"[{index}]"
+    return ProtocolError(ErrorCode.INVALID_MESSAGE, f"{name}.{field}{rest}: {where}", request_id)
+
+
+def _defaults(cls: type[msgspec.Struct]) -> list[bool]:
+    """For each field of ``cls``, whether it is required (has no default)."""
+    n_required = len(cls.__struct_fields__) - len(cls.__struct_defaults__)
+    return [True] * n_required + [False] * len(cls.__struct_defaults__)
+
+
+def _peek(payload: Buffer) -> Any:
+    """Best-effort untyped decode, only on the error path, for tag and request id."""
+    try:
+        return _any_decoder.decode(payload)
+    except msgspec.DecodeError:
+        return None

@@ -1,0 +1,324 @@
+"""Wire messages of the engine-gateway protocol, both directions.
+
+Rules: every top-level message is an ``array_like`` Struct whose first array
+element is a small-int tag fixed forever (client tags 1-63, server tags 64-127).
+Fields are only ever appended, with defaults; never reordered or retyped.
+Inbound (client) structs forbid unknown fields; nested knob groups
+(``SamplingParams``, ``RequestOptions``) travel as maps keyed by field name.
+The wire contract for all of this is docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "TokenId",
+    "FinishReason",
+    "ErrorCode",
+    "SamplingParams",
+    "RequestOptions",
+    "Hello",
+    "Generate",
+    "Abort",
+    "Ping",
+    "GetModelInfo",
+    "GetHealth",
+    "ClientMessage",
+    "ModelInfo",
+    "Limits",
+    "Logprobs",
+    "Finished",
+    "RequestOutput",
+    "HelloAck",
+    "Outputs",
+    "Error",
+    "AbortAck",
+    "Pong",
+    "Overloaded",
+    "ModelInfoReply",
+    "HealthReply",
+    "ServerMessage",
+]
+
+PROTOCOL_VERSION = 1
+"""Carried as the first frame of every message and in Hello/HelloAck."""
+
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+"""A token id: non-negative int32. The vocabulary bound is checked by the gateway."""
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request (or one of its samples) ended; vLLM's integer values."""
+
+    STOP = 0  # EOS or a stop token id
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the client, a disconnect, or a drain deadline
+    ERROR = 3  # the engine failed this request
+    REPETITION = 4  # vLLM's repetition detection stopped it
+
+
+class ErrorCode(enum.IntEnum):
+    """Every error that reaches a client carries one of these (PROTOCOL.md, Errors)."""
+
+    # Frame-level: the peer's bytes could not be read as a message.
+    BAD_FRAME_COUNT = 1
+    UNSUPPORTED_VERSION = 2
+    FRAME_TOO_LARGE = 3
+    MALFORMED = 4  # not valid msgpack, or truncated
+    UNKNOWN_MESSAGE = 5  # a tag this gateway does not know
+    INVALID_MESSAGE = 6  # valid msgpack, wrong shape/type/value for its tag
+    # Session-level.
+    HANDSHAKE_REQUIRED = 10
+    DUPLICATE_REQUEST_ID = 11
+    # Request-level.
+    INVALID_REQUEST = 20  # rejected by vLLM's input processing / sampling validation
+    UNSUPPORTED = 21  # a feature this deployment does not offer (e.g. LoRA off)
+    # Gateway / engine state.
+    DRAINING = 30  # the gateway is shutting down and takes no new requests
+    ENGINE_DEAD = 31  # the engine process failed; the gateway will exit
+    TIMED_OUT = 32  # the request outlived the drain deadline or a client timeout
+    SLOW_CONSUMER = 33  # the client did not read its outputs; its requests were ended
+    INTERNAL = 40  # a bug in the gateway: please report it
+
+
+class _ClientBase(
+    msgspec.Struct,
+    frozen=True,
+    array_like=True,
+    gc=False,
+    forbid_unknown_fields=True,
+    tag_field="tag",
+):
+    """Shared configuration of client-to-gateway messages. Do not subclass further."""
+
+
+class _ServerBase(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="tag"):
+    """Shared configuration of gateway-to-client messages. Do not subclass further."""
+
+
+class SamplingParams(
+    msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True, gc=False
+):
+    """vLLM's SamplingParams for token-only generation, encoded as a map.
+
+    Every field is optional: an absent field takes vLLM's default, or the
+    model's generation-config default where vLLM applies one (temperature,
+    top_p, top_k, min_p, repetition_penalty). ``None`` means "absent".
+    """
+
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+
+
+class RequestOptions(
+    msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True, gc=False
+):
+    """Request-level fields of vLLM's EngineCoreRequest / GenerateRequest, as a map."""
+
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    lora_name: str | None = None
+    data_parallel_rank: int | None = None
+
+
+# ---------------------------------------------------------------- client -> gateway
+
+
+class Hello(_ClientBase, tag=1):
+    """Opens a session; must be the first message from a client identity."""
+
+    protocol_version: int
+    client_name: str = ""
+    heartbeat_interval_s: float = 0.0  # 0: the gateway's default
+
+
+class Generate(_ClientBase, tag=2):
+    """Generate from ``prompt_token_ids``; outputs stream back as RequestOutput."""
+
+    request_id: RequestId
+    prompt_token_ids: list[TokenId]
+    stream: bool = True
+    sampling: SamplingParams = SamplingParams()
+    options: RequestOptions | None = None
+
+
+class Abort(_ClientBase, tag=3):
+    """Abort some or all of this client's live requests."""
+
+    request_ids: list[str] | None = None  # None: every live request of this client
+
+
+class Ping(_ClientBase, tag=4):
+    """Liveness probe; also counts as a heartbeat. Answered by Pong."""
+
+    nonce: int = 0
+
+
+class GetModelInfo(_ClientBase, tag=5):
+    """Control call: model info and limits. Answered by ModelInfoReply."""
+
+    call_id: int = 0
+
+
+class GetHealth(_ClientBase, tag=6):
+    """Control call: readiness and load. Answered by HealthReply."""
+
+    call_id: int = 0
+
+
+ClientMessage = Union[Hello, Generate, Abort, Ping, GetModelInfo, GetHealth]
+
+# ---------------------------------------------------------------- gateway -> client
+
+
+class ModelInfo(msgspec.Struct, frozen=True, gc=False):
+    """What a client needs to know of the served model (a map on the wire)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class Limits(msgspec.Struct, frozen=True, gc=False):
+    """The gateway's limits, as enforced (a map on the wire)."""
+
+    max_prompt_tokens: int
+    max_in_flight_per_client: int
+    max_in_flight_total: int
+    max_frame_bytes: int
+    max_abort_ids: int
+    max_logprobs: int
+
+
+class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Logprobs for consecutive positions, as vLLM reports them.
+
+    For position i: ``token_ids[i][0]`` is the sampled (or prompt) token and
+    ``token_ids[i][1:]`` the top-k alternatives, with ``logprobs[i]`` aligned;
+    ``ranks[i]`` is the rank of the sampled token (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class Finished(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Present on exactly one RequestOutput per sample: the terminal one."""
+
+    finish_reason: FinishReason
+    stop_reason: int | None  # the stop token id that ended it, if any
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+
+
+class RequestOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """New tokens of one request (one sample of it) since its previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: Finished | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None  # on the first output only
+    index: int = 0  # which of the n samples
+
+
+class HelloAck(_ServerBase, tag=64):
+    """Accepts a Hello: versions, model, limits, and the agreed heartbeat."""
+
+    protocol_version: int
+    gateway_version: str
+    model: ModelInfo
+    limits: Limits
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+class Outputs(_ServerBase, tag=65):
+    """All of one client's request outputs from one engine step."""
+
+    outputs: list[RequestOutput]
+
+
+class Error(_ServerBase, tag=66):
+    """A failure; terminal for ``request_id`` when that request was live."""
+
+    request_id: str | None
+    code: ErrorCode
+    message: str
+
+
+class AbortAck(_ServerBase, tag=67):
+    """Answers an Abort, after the terminal outputs of every aborted request."""
+
+    aborted: list[str]  # were live; each got a terminal output with reason ABORT
+    unknown: list[str]  # unknown, or already finished: nothing happened
+
+
+class Pong(_ServerBase, tag=68):
+    """Answers a Ping with its nonce."""
+
+    nonce: int
+
+
+class Overloaded(_ServerBase, tag=69):
+    """A Generate refused by admission control; the request was never accepted."""
+
+    request_id: str
+    limit: str  # which limit, as named in Limits
+    limit_value: int
+    current: int
+    message: str
+
+
+class ModelInfoReply(_ServerBase, tag=70):
+    """Answers GetModelInfo."""
+
+    call_id: int
+    model: ModelInfo
+    limits: Limits
+
+
+class HealthReply(_ServerBase, tag=71):
+    """Answers GetHealth."""
+
+    call_id: int
+    ready: bool
+    state: str  # "serving", "draining" or "engine_dead"
+    live_requests: int
+    connected_clients: int
+
+
+ServerMessage = Union[
+    HelloAck, Outputs, Error, AbortAck, Pong, Overloaded, ModelInfoReply, HealthReply
+]
+
+CLIENT_TAGS = {cls.__struct_config__.tag: cls for cls in ClientMessage.__args__}
+SERVER_TAGS = {cls.__struct_config__.tag: cls for cls in ServerMessage.__args__}

@@ -1,0 +1,104 @@
+"""The engine boundary: a small Protocol the gateway drives, and neutral types.
+
+Rule: nothing here imports vLLM. ``vllm_engine.VllmEngine`` implements the
+Protocol on a real EngineCore; ``fake_engine.FakeEngine`` implements it in
+process for unit tests and the gateway's own benchmark ceiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from codec import Generate, Logprobs
+
+__all__ = [
+    "EngineInfo",
+    "PrefillStatsLike",
+    "PreparedRequest",
+    "StepOutput",
+    "Engine",
+    "sample_engine_request_id",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the gateway needs to know of the served model and engine."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_logprobs: int
+    max_num_seqs: int
+
+
+class PrefillStatsLike(Protocol):
+    num_cached_tokens: int
+
+
+class PreparedRequest(Protocol):
+    """A validated request for one sample, ready for ``add_requests``."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+class StepOutput(Protocol):
+    """One request's output from one engine step; names follow vLLM's EngineCoreOutput.
+
+    ``new_logprobs`` and ``new_prompt_logprobs_tensors`` are already wire
+    ``Logprobs`` (the adapter converts vLLM's arrays), or None.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def new_token_ids(self) -> list[int]: ...
+    @property
+    def finish_reason(self) -> int | None: ...
+    @property
+    def stop_reason(self) -> int | str | None: ...
+    @property
+    def new_logprobs(self) -> Logprobs | None: ...
+    @property
+    def new_prompt_logprobs_tensors(self) -> Logprobs | None: ...
+    @property
+    def prefill_stats(self) -> PrefillStatsLike | None: ...
+
+
+class Engine(Protocol):
+    """What the gateway needs from an engine: vLLM's method names minus ``_async``."""
+
+    info: EngineInfo
+
+    def prepare(self, engine_request_id: str, request: Generate) -> Sequence[PreparedRequest]:
+        """Validate and build one engine request per sample (n of them).
+
+        Raises:
+            RequestRejected: the request is invalid; the message is vLLM's.
+        """
+        ...
+
+    async def add_requests(self, prepared: Sequence[PreparedRequest]) -> None:
+        """Submit prepared requests. Raises EngineDead."""
+        ...
+
+    async def abort_requests(self, engine_request_ids: Sequence[str]) -> None:
+        """Stop requests in the engine; unknown ids are ignored."""
+        ...
+
+    async def get_output(self) -> Sequence[StepOutput]:
+        """Wait for the next engine step's outputs. Raises EngineDead."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop the engine and release its resources."""
+        ...
+
+
+def sample_engine_request_id(engine_request_id: str, index: int, n: int) -> str:
+    """The engine id of sample ``index`` of an ``n``-sample request (vLLM's scheme)."""
+    return engine_request_id if n == 1 else f"{index}_{engine_request_id}"

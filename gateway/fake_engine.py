@@ -1,0 +1,139 @@
+"""FakeEngine: a deterministic in-process Engine, for unit tests and the bench ceiling.
+
+Never used by integration tests. Sample ``i`` of a request emits
+``(seed_of(prompt) + step) % vocab_size`` tokens, one per step, so outputs are
+predictable; it honours max_tokens, ignore_eos and stop_token_ids, and can be
+told to finish a request with EOS at a given step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from codec import Generate
+
+from .engine import EngineInfo, sample_engine_request_id
+from .errors import EngineDead, RequestRejected
+
+__all__ = ["FakeEngine", "FakeOutput", "FakePrepared"]
+
+
+@dataclass(slots=True)
+class FakeOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: None = None
+    new_prompt_logprobs_tensors: None = None
+    prefill_stats: None = None
+
+
+@dataclass(slots=True)
+class FakePrepared:
+    request_id: str
+    first_token: int
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    produced: int = 0
+    aborted: bool = False
+
+
+@dataclass
+class FakeEngine:
+    """Emits one token per live request per step, every ``step_interval_s``."""
+
+    info: EngineInfo = field(
+        default_factory=lambda: EngineInfo("fake", 1024, 512, (2,), 20, 256)
+    )
+    step_interval_s: float = 0.0
+    tokens_per_step: int = 1
+    _live: dict[str, FakePrepared] = field(default_factory=dict)
+    _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    _dead: bool = False
+    added: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+
+    def prepare(self, engine_request_id: str, request: Generate) -> list[FakePrepared]:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise RequestRejected("The decoder prompt cannot be empty")
+        if max(prompt) >= self.info.vocab_size:
+            raise RequestRejected(f"Token id {max(prompt)} is out of vocabulary")
+        sampling = request.sampling
+        n = sampling.n if sampling.n is not None else 1
+        if n < 1:
+            raise RequestRejected(f"n must be at least 1, got {n}.")
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = self.info.max_model_len - len(prompt)
+        stops = set(sampling.stop_token_ids or ())
+        if not sampling.ignore_eos:
+            stops.update(self.info.eos_token_ids)
+        return [
+            FakePrepared(
+                sample_engine_request_id(engine_request_id, i, n),
+                (sum(prompt) + i) % self.info.vocab_size,
+                max_tokens,
+                frozenset(stops),
+            )
+            for i in range(n)
+        ]
+
+    async def add_requests(self, prepared: Sequence[FakePrepared]) -> None:
+        if self._dead:
+            raise EngineDead("the fake engine was killed")
+        for p in prepared:
+            self._live[p.request_id] = p
+            self.added.append(p.request_id)
+        self._wakeup.set()
+
+    async def abort_requests(self, engine_request_ids: Sequence[str]) -> None:
+        for rid in engine_request_ids:
+            self.aborted.append(rid)
+            self._live.pop(rid, None)
+
+    async def get_output(self) -> list[FakeOutput]:
+        while True:
+            if self._dead:
+                raise EngineDead("the fake engine was killed")
+            if self._live:
+                break
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        if self.step_interval_s:
+            await asyncio.sleep(self.step_interval_s)
+        else:
+            await asyncio.sleep(0)
+        outputs = []
+        vocab = self.info.vocab_size
+        for rid, p in list(self._live.items()):
+            tokens = []
+            reason = stop = None
+            for _ in range(self.tokens_per_step):
+                token = (p.first_token + p.produced) % vocab
+                p.produced += 1
+                tokens.append(token)
+                if token in p.stop_token_ids:
+                    reason, stop = 0, token
+                    break
+                if p.produced >= p.max_tokens:
+                    reason = 1
+                    break
+            if reason is not None:
+                del self._live[rid]
+            outputs.append(FakeOutput(rid, tokens, reason, stop))
+        return outputs
+
+    async def aclose(self) -> None:
+        self._live.clear()
+
+    def kill(self) -> None:
+        """Simulate the engine process dying."""
+        self._dead = True
+        self._wakeup.set()
+
+    def is_dead(self) -> bool:
+        return self._dead

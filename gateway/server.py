@@ -1,0 +1,206 @@
+"""The gateway server: one ZeroMQ ROUTER socket in front of one Engine.
+
+Rule: this is the only module with socket code, and it holds no protocol
+rules. Three loops run in one TaskGroup: receive (recv, decode, table, carry
+out effects), outputs (engine step, table, one Outputs frame per client) and
+housekeeping (heartbeat expiry, drain deadline). Exceptions become Error
+frames here and nowhere else. Sends never block: a client that cannot take
+a frame is handled by the table, never waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from codec import VERSION_FRAME, ProtocolError, ServerMessage, decode_client
+from codec.framing import encode_payload
+
+from .engine import Engine
+from .errors import EngineDead
+from .sessions import Effects, GatewayLimits, SessionTable
+
+__all__ = ["Gateway", "EXIT_OK", "EXIT_ENGINE_DEAD"]
+
+logger = logging.getLogger("engine_gateway")
+
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 3
+_HOUSEKEEPING_S = 0.1
+# zmq drops (and disconnects) peers whose messages exceed this; the protocol
+# limit (max_frame_bytes) is checked ourselves, below this, to answer an Error.
+_HARD_MESSAGE_FACTOR = 4
+
+
+class Gateway:
+    """Serves ``engine`` on ``bind`` addresses (tcp:// or ipc://) until stopped."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        bind: str | Sequence[str],
+        limits: GatewayLimits = GatewayLimits(),
+        *,
+        drain_timeout_s: float = 30.0,
+        gateway_version: str = "0",
+        context: zmq.asyncio.Context | None = None,
+    ):
+        self.engine = engine
+        self.limits = limits
+        self.binds = [bind] if isinstance(bind, str) else list(bind)
+        self.drain_timeout_s = drain_timeout_s
+        self.table = SessionTable(engine.info, engine.prepare, limits, gateway_version)
+        self.addresses: list[str] = []
+        self.ready = asyncio.Event()
+        self.exit_code = EXIT_OK
+        self._ctx = context
+        self._own_ctx = context is None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._stop = asyncio.Event()
+        self._drain_deadline: float | None = None
+        self._pending_aborts: list[str] = []
+        self.frames_sent = 0
+        self.frames_dropped = 0
+
+    # ------------------------------------------------------------ control
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Refuse new requests; stop once live ones finish or the deadline passes."""
+        if self._drain_deadline is None:
+            timeout = self.drain_timeout_s if timeout_s is None else timeout_s
+            self._drain_deadline = time.monotonic() + timeout
+            self.table.start_drain()
+            logger.info("draining: %d live requests, deadline %.1fs", self.table.live_requests,
+                        timeout)
+
+    def stop(self, exit_code: int = EXIT_OK) -> None:
+        """Stop at once (live requests are not ended; prefer drain())."""
+        self.exit_code = exit_code
+        self._stop.set()
+
+    # ------------------------------------------------------------ main
+
+    async def serve(self) -> int:
+        """Run until stopped; returns the process exit code to use."""
+        ctx = self._ctx or zmq.asyncio.Context()
+        self._ctx = ctx
+        sock = ctx.socket(zmq.ROUTER)
+        self._sock = sock
+        try:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH tells us a client left
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # same identity reconnecting takes over
+            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes * _HARD_MESSAGE_FACTOR)
+            sock.setsockopt(zmq.LINGER, 2000)
+            for address in self.binds:
+                sock.bind(address)
+                self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.ready.set()
+            async with asyncio.TaskGroup() as tasks:
+                loops = [
+                    tasks.create_task(self._receive_loop(sock)),
+                    tasks.create_task(self._output_loop()),
+                    tasks.create_task(self._housekeeping_loop()),
+                ]
+                await self._stop.wait()
+                for loop in loops:
+                    loop.cancel()
+        finally:
+            sock.close(linger=2000 if self.exit_code == EXIT_OK else 500)
+            if self._own_ctx:
+                ctx.term()
+        return self.exit_code
+
+    # ------------------------------------------------------------ loops
+
+    async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
+        table = self.table
+        max_frame = self.limits.max_frame_bytes
+        while True:
+            frames = await sock.recv_multipart()
+            client_id = frames[0]
+            now = time.monotonic()
+            try:
+                msg = decode_client(frames[1:], max_frame)
+            except ProtocolError as exc:
+                effects = table.on_protocol_error(client_id, exc, now)
+            else:
+                effects = table.on_message(client_id, msg, now)
+            await self._apply(effects)
+
+    async def _output_loop(self) -> None:
+        engine = self.engine
+        table = self.table
+        send = self._send
+        while True:
+            try:
+                outputs = await engine.get_output()
+            except EngineDead as exc:
+                self._on_engine_dead(exc.message)
+                return
+            for client_id, msg in table.on_step(outputs):
+                send(client_id, msg)
+
+    async def _housekeeping_loop(self) -> None:
+        table = self.table
+        while True:
+            await asyncio.sleep(_HOUSEKEEPING_S)
+            now = time.monotonic()
+            await self._apply(table.expire(now))
+            if self._pending_aborts:
+                aborts, self._pending_aborts = self._pending_aborts, []
+                await self.engine.abort_requests(aborts)
+            if self._drain_deadline is not None:
+                if table.live_requests == 0:
+                    logger.info("drained: no live requests left")
+                    self.stop(self.exit_code)
+                elif now >= self._drain_deadline:
+                    logger.info("drain deadline: aborting %d live requests", table.live_requests)
+                    await self._apply(table.abort_all())
+                    self.stop(self.exit_code)
+
+    # ------------------------------------------------------------ effects
+
+    async def _apply(self, effects: Effects) -> None:
+        for client_id, msg in effects.replies:
+            self._send(client_id, msg)
+        if effects.submit:
+            try:
+                await self.engine.add_requests(effects.submit)
+            except EngineDead as exc:
+                self._on_engine_dead(exc.message)
+                return
+        if effects.abort:
+            await self.engine.abort_requests(effects.abort)
+
+    def _send(self, client_id: bytes, msg: ServerMessage) -> None:
+        sock = self._sock
+        assert sock is not None
+        future = sock.send_multipart([client_id, VERSION_FRAME, encode_payload(msg)],
+                                     flags=zmq.NOBLOCK)
+        exc = future.exception() if future.done() else None
+        if exc is None:
+            self.frames_sent += 1
+            return
+        self.frames_dropped += 1
+        if isinstance(exc, zmq.ZMQError) and exc.errno == errno.EHOSTUNREACH:
+            # The client is gone: stop spending engine time on it (the
+            # housekeeping loop tells the engine within one tick).
+            self._pending_aborts.extend(self.table.on_client_gone(client_id).abort)
+        elif not isinstance(exc, zmq.Again):
+            logger.warning("send to %r failed: %r", client_id, exc)
+
+    def _on_engine_dead(self, message: str) -> None:
+        if self.exit_code == EXIT_ENGINE_DEAD:
+            return
+        logger.error("engine died: %s; ending %d live requests and exiting",
+                     message, self.table.live_requests)
+        for client_id, msg in self.table.on_engine_dead(f"engine died: {message}").replies:
+            self._send(client_id, msg)
+        self.stop(EXIT_ENGINE_DEAD)
+

@@ -1,0 +1,513 @@
+"""SessionTable: every client's session and every live request; sans-IO.
+
+Rules (this is the one place they live):
+- Methods take one decoded message or one engine step plus ``now`` and return
+  effects (replies per client, engine requests to submit, engine ids to abort).
+  No awaits, sockets or clock reads.
+- Requests are keyed by (client_id, request_id); engine ids come from one
+  process-wide counter and are never reused.
+- A request is in the table exactly while it is live. Each of its samples gets
+  exactly one terminal output (a RequestOutput with ``finished``, or an Error),
+  and the request leaves the table when its last sample's terminal is produced.
+  Engine outputs for ids no longer in the table are dropped, so nothing is ever
+  sent for a request after its terminal output, even when outputs race an abort.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from codec import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    ClientMessage,
+    Error,
+    ErrorCode,
+    Finished,
+    FinishReason,
+    Generate,
+    GetHealth,
+    GetModelInfo,
+    HealthReply,
+    Hello,
+    HelloAck,
+    Limits,
+    Logprobs,
+    ModelInfo,
+    ModelInfoReply,
+    Outputs,
+    Overloaded,
+    Ping,
+    Pong,
+    ProtocolError,
+    RequestOutput,
+    ServerMessage,
+)
+
+from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_request_id
+from .errors import RequestRejected
+
+__all__ = ["GatewayLimits", "GatewayState", "Effects", "SessionTable", "Reply"]
+
+Reply = tuple[bytes, ServerMessage]
+_ENGINE_IDS = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayLimits:
+    """Configurable limits; all reported to clients in HelloAck.limits."""
+
+    max_frame_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int | None = None  # None: the model's max_model_len
+    max_in_flight_per_client: int = 1024
+    max_in_flight_total: int = 4096
+    max_abort_ids: int = 4096
+    default_heartbeat_interval_s: float = 5.0
+    min_heartbeat_interval_s: float = 0.05
+    max_heartbeat_interval_s: float = 300.0
+    heartbeat_timeout_factor: float = 3.0
+
+
+class GatewayState(Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    ENGINE_DEAD = "engine_dead"
+
+
+@dataclass(slots=True)
+class Effects:
+    """What the server must do after a table method returns, in this order."""
+
+    replies: list[Reply] = field(default_factory=list)
+    submit: list[PreparedRequest] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Sample:
+    engine_request_id: str
+    index: int
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    done: bool = False
+    # Only for stream=False: everything produced so far.
+    token_ids: list[int] | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    client_id: bytes
+    request_id: str
+    stream: bool
+    prompt_tokens: int
+    samples: list[_Sample]
+    live_samples: int
+
+
+@dataclass(slots=True)
+class _Client:
+    client_id: bytes
+    name: str
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    last_seen: float
+    requests: dict[str, _Request] = field(default_factory=dict)
+
+
+def _concat(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
+    if a is None or b is None:
+        return a or b
+    return Logprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
+
+
+class SessionTable:
+    """All sessions and live requests of one gateway. See the module docstring."""
+
+    def __init__(
+        self,
+        info: EngineInfo,
+        prepare: Callable[[str, Generate], Sequence[PreparedRequest]],
+        limits: GatewayLimits = GatewayLimits(),
+        gateway_version: str = "0",
+    ):
+        self.info = info
+        self.limits = limits
+        self.state = GatewayState.SERVING
+        self._prepare = prepare
+        self._gateway_version = gateway_version
+        self._clients: dict[bytes, _Client] = {}
+        self._by_engine_id: dict[str, tuple[_Request, _Sample]] = {}
+        self._live_requests = 0
+        max_prompt = limits.max_prompt_tokens or info.max_model_len
+        self.model_info = ModelInfo(
+            name=info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=list(info.eos_token_ids),
+        )
+        self.wire_limits = Limits(
+            max_prompt_tokens=min(max_prompt, info.max_model_len),
+            max_in_flight_per_client=limits.max_in_flight_per_client,
+            max_in_flight_total=limits.max_in_flight_total,
+            max_frame_bytes=limits.max_frame_bytes,
+            max_abort_ids=limits.max_abort_ids,
+            max_logprobs=info.max_logprobs,
+        )
+        self._handlers: dict[type, Callable[[bytes, object, float], Effects]] = {
+            Hello: self._on_hello,
+            Generate: self._on_generate,
+            Abort: self._on_abort,
+            Ping: self._on_ping,
+            GetModelInfo: self._on_get_model_info,
+            GetHealth: self._on_get_health,
+        }
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def live_requests(self) -> int:
+        return self._live_requests
+
+    @property
+    def connected_clients(self) -> int:
+        return len(self._clients)
+
+    def live_engine_request_ids(self) -> list[str]:
+        return [eid for eid, (_, s) in self._by_engine_id.items() if not s.done]
+
+    def client_request_ids(self, client_id: bytes) -> list[str]:
+        client = self._clients.get(client_id)
+        return [] if client is None else list(client.requests)
+
+    # ------------------------------------------------------------ inbound
+
+    def on_message(self, client_id: bytes, msg: ClientMessage, now: float) -> Effects:
+        """Handle one decoded client message."""
+        client = self._clients.get(client_id)
+        if client is not None:
+            client.last_seen = now
+        return self._handlers[type(msg)](client_id, msg, now)
+
+    def on_protocol_error(self, client_id: bytes, exc: ProtocolError, now: float) -> Effects:
+        """A frame from ``client_id`` could not be decoded; answer with its Error."""
+        client = self._clients.get(client_id)
+        if client is not None:
+            client.last_seen = now
+        return Effects(replies=[(client_id, Error(exc.request_id, exc.code, exc.message))])
+
+    def _on_hello(self, client_id: bytes, msg: Hello, now: float) -> Effects:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            error = Error(
+                None,
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"Hello.protocol_version {msg.protocol_version} is not supported;"
+                f" this gateway speaks version {PROTOCOL_VERSION}",
+            )
+            return Effects(replies=[(client_id, error)])
+        effects = Effects()
+        if client_id in self._clients:  # reconnect under the same identity
+            self._end_client(client_id, effects)
+        limits = self.limits
+        interval = msg.heartbeat_interval_s or limits.default_heartbeat_interval_s
+        interval = min(max(interval, limits.min_heartbeat_interval_s), limits.max_heartbeat_interval_s)
+        timeout = interval * limits.heartbeat_timeout_factor
+        self._clients[client_id] = _Client(client_id, msg.client_name, interval, timeout, now)
+        ack = HelloAck(
+            protocol_version=PROTOCOL_VERSION,
+            gateway_version=self._gateway_version,
+            model=self.model_info,
+            limits=self.wire_limits,
+            heartbeat_interval_s=interval,
+            heartbeat_timeout_s=timeout,
+        )
+        effects.replies.append((client_id, ack))
+        return effects
+
+    def _refuse(self, client_id: bytes, request_id: str, code: ErrorCode, message: str) -> Effects:
+        return Effects(replies=[(client_id, Error(request_id, code, message))])
+
+    def _on_generate(self, client_id: bytes, msg: Generate, now: float) -> Effects:
+        request_id = msg.request_id
+        client = self._clients.get(client_id)
+        if client is None:
+            return self._refuse(
+                client_id, request_id, ErrorCode.HANDSHAKE_REQUIRED,
+                "send Hello before Generate (or again after a heartbeat timeout)",
+            )
+        if self.state is not GatewayState.SERVING:
+            code = ErrorCode.DRAINING if self.state is GatewayState.DRAINING else ErrorCode.ENGINE_DEAD
+            return self._refuse(client_id, request_id, code, f"gateway is {self.state.value}; "
+                                "no new requests are accepted")
+        if request_id in client.requests:
+            return self._refuse(
+                client_id, request_id, ErrorCode.DUPLICATE_REQUEST_ID,
+                f"request id {request_id!r} is already live for this client; the live"
+                " request is unaffected",
+            )
+        limits = self.wire_limits
+        if len(client.requests) >= limits.max_in_flight_per_client:
+            return self._overloaded(client_id, request_id, "max_in_flight_per_client",
+                                    limits.max_in_flight_per_client, len(client.requests))
+        if self._live_requests >= limits.max_in_flight_total:
+            return self._overloaded(client_id, request_id, "max_in_flight_total",
+                                    limits.max_in_flight_total, self._live_requests)
+        prompt_tokens = len(msg.prompt_token_ids)
+        if prompt_tokens > limits.max_prompt_tokens:
+            return self._refuse(
+                client_id, request_id, ErrorCode.INVALID_REQUEST,
+                f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens"
+                f" ({limits.max_prompt_tokens})",
+            )
+        engine_request_id = f"g{next(_ENGINE_IDS)}"
+        try:
+            prepared = self._prepare(engine_request_id, msg)
+        except RequestRejected as exc:
+            return self._refuse(client_id, request_id, exc.code, exc.message)
+        n = len(prepared)
+        samples = [
+            _Sample(
+                sample_engine_request_id(engine_request_id, i, n),
+                i,
+                token_ids=None if msg.stream else [],
+            )
+            for i in range(n)
+        ]
+        request = _Request(client_id, request_id, msg.stream, prompt_tokens, samples, n)
+        client.requests[request_id] = request
+        for sample in samples:
+            self._by_engine_id[sample.engine_request_id] = (request, sample)
+        self._live_requests += 1
+        return Effects(submit=list(prepared))
+
+    def _overloaded(self, client_id: bytes, request_id: str, limit: str, value: int,
+                    current: int) -> Effects:
+        message = f"{limit} is {value} and {current} requests are in flight; retry later"
+        return Effects(replies=[(client_id, Overloaded(request_id, limit, value, current, message))])
+
+    def _on_abort(self, client_id: bytes, msg: Abort, now: float) -> Effects:
+        client = self._clients.get(client_id)
+        if client is None:
+            return Effects(replies=[(client_id, Error(
+                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before Abort"))])
+        ids = list(client.requests) if msg.request_ids is None else msg.request_ids
+        if len(ids) > self.wire_limits.max_abort_ids:
+            return Effects(replies=[(client_id, Error(
+                None, ErrorCode.INVALID_MESSAGE,
+                f"Abort.request_ids has {len(ids)} ids; the limit is"
+                f" {self.wire_limits.max_abort_ids}"))])
+        effects = Effects()
+        terminals: list[RequestOutput] = []
+        aborted: list[str] = []
+        unknown: list[str] = []
+        for request_id in dict.fromkeys(ids):  # de-duplicated, in order
+            request = client.requests.get(request_id)
+            if request is None:
+                unknown.append(request_id)
+                continue
+            aborted.append(request_id)
+            self._finish_request(request, FinishReason.ABORT, terminals, effects.abort)
+        if terminals:
+            effects.replies.append((client_id, Outputs(terminals)))
+        effects.replies.append((client_id, AbortAck(aborted, unknown)))
+        return effects
+
+    def _on_ping(self, client_id: bytes, msg: Ping, now: float) -> Effects:
+        return Effects(replies=[(client_id, Pong(msg.nonce))])
+
+    def _on_get_model_info(self, client_id: bytes, msg: GetModelInfo, now: float) -> Effects:
+        reply = ModelInfoReply(msg.call_id, self.model_info, self.wire_limits)
+        return Effects(replies=[(client_id, reply)])
+
+    def _on_get_health(self, client_id: bytes, msg: GetHealth, now: float) -> Effects:
+        reply = HealthReply(
+            call_id=msg.call_id,
+            ready=self.state is GatewayState.SERVING,
+            state=self.state.value,
+            live_requests=self._live_requests,
+            connected_clients=len(self._clients),
+        )
+        return Effects(replies=[(client_id, reply)])
+
+    # ------------------------------------------------------------ engine side
+
+    def on_step(self, outputs: Sequence[StepOutput]) -> list[Reply]:
+        """One engine step: at most one Outputs frame per client."""
+        per_client: dict[bytes, list[RequestOutput]] = {}
+        by_engine_id = self._by_engine_id
+        for out in outputs:
+            entry = by_engine_id.get(out.request_id)
+            if entry is None:
+                continue  # aborted or timed out already: its terminal was sent
+            request, sample = entry
+            reply = self._on_sample_output(request, sample, out)
+            if reply is not None:
+                bucket = per_client.get(request.client_id)
+                if bucket is None:
+                    per_client[request.client_id] = [reply]
+                else:
+                    bucket.append(reply)
+        return [(client_id, Outputs(batch)) for client_id, batch in per_client.items()]
+
+    def _on_sample_output(
+        self, request: _Request, sample: _Sample, out: StepOutput
+    ) -> RequestOutput | None:
+        new_token_ids = out.new_token_ids
+        sample.output_tokens += len(new_token_ids)
+        stats = out.prefill_stats
+        if stats is not None:
+            sample.cached_tokens = stats.num_cached_tokens
+        reason = out.finish_reason
+        finished = None
+        if reason is not None:
+            stop = out.stop_reason
+            finished = Finished(
+                FinishReason(reason),
+                stop if isinstance(stop, int) else None,
+                request.prompt_tokens,
+                sample.output_tokens,
+                sample.cached_tokens,
+            )
+        if request.stream:
+            if finished is not None:
+                self._retire(request, sample)
+            return RequestOutput(
+                request.request_id,
+                new_token_ids,
+                finished,
+                out.new_logprobs,
+                out.new_prompt_logprobs_tensors,
+                sample.index,
+            )
+        sample.token_ids.extend(new_token_ids)
+        sample.logprobs = _concat(sample.logprobs, out.new_logprobs)
+        sample.prompt_logprobs = _concat(sample.prompt_logprobs, out.new_prompt_logprobs_tensors)
+        if finished is None:
+            return None
+        self._retire(request, sample)
+        return self._final_output(request, sample, finished)
+
+    @staticmethod
+    def _final_output(request: _Request, sample: _Sample, finished: Finished) -> RequestOutput:
+        return RequestOutput(
+            request.request_id,
+            sample.token_ids if sample.token_ids is not None else [],
+            finished,
+            sample.logprobs,
+            sample.prompt_logprobs,
+            sample.index,
+        )
+
+    def _retire(self, request: _Request, sample: _Sample) -> None:
+        """Mark one sample terminal; drop the request when it was the last."""
+        sample.done = True
+        del self._by_engine_id[sample.engine_request_id]
+        request.live_samples -= 1
+        if request.live_samples == 0:
+            client = self._clients.get(request.client_id)
+            if client is not None and client.requests.get(request.request_id) is request:
+                del client.requests[request.request_id]
+            self._live_requests -= 1
+
+    def _finish_request(
+        self,
+        request: _Request,
+        reason: FinishReason,
+        terminals: list[RequestOutput],
+        abort_ids: list[str],
+    ) -> None:
+        """End every live sample of ``request`` now, with its tokens so far."""
+        for sample in request.samples:
+            if sample.done:
+                continue
+            abort_ids.append(sample.engine_request_id)
+            finished = Finished(
+                reason, None, request.prompt_tokens, sample.output_tokens, sample.cached_tokens
+            )
+            self._retire(request, sample)
+            if request.stream:
+                terminals.append(RequestOutput(request.request_id, [], finished, None, None,
+                                               sample.index))
+            else:
+                terminals.append(self._final_output(request, sample, finished))
+
+    def _error_request(self, request: _Request, code: ErrorCode, message: str,
+                       effects: Effects) -> None:
+        """End ``request`` with one terminal Error (all its samples at once)."""
+        for sample in request.samples:
+            if not sample.done:
+                effects.abort.append(sample.engine_request_id)
+                self._retire(request, sample)
+        effects.replies.append((request.client_id, Error(request.request_id, code, message)))
+
+    def _end_client(self, client_id: bytes, effects: Effects) -> None:
+        """Abort every live request of a client and forget its session."""
+        client = self._clients.pop(client_id)
+        terminals: list[RequestOutput] = []
+        for request in list(client.requests.values()):
+            self._finish_request(request, FinishReason.ABORT, terminals, effects.abort)
+        if terminals:
+            effects.replies.append((client_id, Outputs(terminals)))
+
+    def on_add_failed(self, client_id: bytes, request_id: str, code: ErrorCode,
+                      message: str) -> Effects:
+        """Submitting an accepted request to the engine failed: end it with an Error."""
+        effects = Effects()
+        client = self._clients.get(client_id)
+        request = None if client is None else client.requests.get(request_id)
+        if request is not None:
+            self._error_request(request, code, message, effects)
+        return effects
+
+    def find_request(self, engine_request_id: str) -> tuple[bytes, str] | None:
+        """(client_id, request_id) of a live engine request id, if any."""
+        entry = self._by_engine_id.get(engine_request_id)
+        return None if entry is None else (entry[0].client_id, entry[0].request_id)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def expire(self, now: float) -> Effects:
+        """Abort the requests of clients silent past their heartbeat timeout."""
+        effects = Effects()
+        for client in list(self._clients.values()):
+            if now - client.last_seen > client.heartbeat_timeout_s:
+                self._end_client(client.client_id, effects)
+        return effects
+
+    def on_client_gone(self, client_id: bytes) -> Effects:
+        """The transport says ``client_id`` is unreachable: end its session now."""
+        effects = Effects()
+        if client_id in self._clients:
+            self._end_client(client_id, effects)
+        return effects
+
+    def on_engine_dead(self, message: str) -> Effects:
+        """The engine failed: every live request ends with ENGINE_DEAD; refuse new ones."""
+        self.state = GatewayState.ENGINE_DEAD
+        effects = Effects()
+        for client in self._clients.values():
+            for request in list(client.requests.values()):
+                self._error_request(request, ErrorCode.ENGINE_DEAD, message, effects)
+        effects.abort.clear()  # nothing to tell a dead engine
+        return effects
+
+    def start_drain(self) -> None:
+        """Refuse new requests from now on; live ones run on."""
+        if self.state is GatewayState.SERVING:
+            self.state = GatewayState.DRAINING
+
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> Effects:
+        """End every live request now (drain deadline, shutdown)."""
+        effects = Effects()
+        for client in self._clients.values():
+            terminals: list[RequestOutput] = []
+            for request in list(client.requests.values()):
+                self._finish_request(request, reason, terminals, effects.abort)
+            if terminals:
+                effects.replies.append((client.client_id, Outputs(terminals)))
+        return effects

@@ -1,0 +1,68 @@
+"""The embedded default model: a tiny random Llama, generated locally and cached.
+
+Rule: deterministic (fixed seed, fixed config), so every machine builds the
+same weights and greedy outputs are comparable across runs. No hub access.
+Two EOS ids (2 and 3) so that multi-EOS handling is always exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["TINY_MODEL_CONFIG", "TINY_EOS_TOKEN_IDS", "default_cache_dir", "ensure_tiny_model"]
+
+TINY_EOS_TOKEN_IDS = [2, 3]
+TINY_MODEL_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,  # CPU attention refuses head_dim < 32
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=TINY_EOS_TOKEN_IDS,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+_VERSION = "v1"
+
+
+def default_cache_dir() -> Path:
+    """Where the tiny model lives: $ENGINE_GATEWAY_CACHE or ~/.cache/engine-gateway."""
+    root = os.environ.get("ENGINE_GATEWAY_CACHE") or Path.home() / ".cache" / "engine-gateway"
+    return Path(root)
+
+
+def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+    """Return the path of the tiny model, generating it on first use."""
+    path = (cache_dir or default_cache_dir()) / f"tiny-llama-{_VERSION}"
+    marker = path / "engine-gateway.json"
+    if marker.exists():
+        return path
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_MODEL_CONFIG)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    GenerationConfig(
+        bos_token_id=1, eos_token_id=TINY_EOS_TOKEN_IDS, max_new_tokens=None
+    ).save_pretrained(tmp)
+    (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VERSION}))
+    try:
+        tmp.rename(path)
+    except OSError:  # another process won the race; use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+if __name__ == "__main__":
+    print(ensure_tiny_model())

