@@ -94,6 +94,8 @@ def decode_client(
         raise _translate_validation(exc, payload) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"payload is not valid msgpack: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"a string is not valid UTF-8: {exc}") from None
 
 
 def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
@@ -109,7 +111,7 @@ def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
     except msgspec.ValidationError as exc:
         code = ErrorCode.UNKNOWN_MESSAGE if "`$[0]`" in str(exc) else ErrorCode.INVALID_MESSAGE
         raise ProtocolError(code, f"unreadable gateway message: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"gateway payload is not msgpack: {exc}") from None
 
 
@@ -164,5 +166,5 @@ def _peek(payload: Buffer) -> Any:
     """Best-effort untyped decode, only on the error path, for tag and request id."""
     try:
         return _any_decoder.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return None

@@ -235,6 +235,10 @@ class VllmEngine:
             self._closed = True
             self._client.shutdown()
 
+    async def has_unfinished_requests(self) -> bool:
+        """Whether the engine still holds any request (vLLM's EngineCore.has_work)."""
+        return bool(await self._client.call_utility_async("has_work"))
+
     def is_dead(self) -> bool:
         """Whether the engine process has failed."""
         return bool(self._client.resources.engine_dead)

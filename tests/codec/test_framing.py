@@ -1,0 +1,118 @@
+"""Each frame-level rule gives its documented ErrorCode, with a precise message."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from codec import ErrorCode, Generate, ProtocolError, decode_client, encode
+
+V1 = b"\x01"
+
+
+def payload(obj) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def decode_error(frames, **kwargs) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode_client(frames, **kwargs)
+    return info.value
+
+
+@pytest.mark.parametrize("frames", [[], [V1], [V1, b"\x90", b"extra"]])
+def test_wrong_frame_count_is_bad_frame_count(frames):
+    assert decode_error(frames).code is ErrorCode.BAD_FRAME_COUNT
+
+
+@pytest.mark.parametrize("version", [b"\x00", b"\x02", b"", b"\x01\x01"])
+def test_other_version_frames_are_unsupported(version):
+    err = decode_error([version, payload([4, 0])])
+    assert err.code is ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_oversize_payload_is_refused_before_decoding():
+    big = b"\xc1" * 101  # invalid msgpack: proves the size check runs first
+    err = decode_error([V1, big], max_frame_bytes=100)
+    assert err.code is ErrorCode.FRAME_TOO_LARGE
+    assert "101 bytes" in err.message and "100" in err.message
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", payload([2, "r", [1, 2, 3]])[:-1], b"\x93\x02"])
+def test_truncated_or_invalid_msgpack_is_malformed(raw):
+    assert decode_error([V1, raw]).code is ErrorCode.MALFORMED
+
+
+@pytest.mark.parametrize("tag", [0, 7, 63, 64, 99, -1, "generate", 2.0])
+def test_unknown_tags_are_unknown_message(tag):
+    err = decode_error([V1, payload([tag, "r", [1]])])
+    assert err.code is ErrorCode.UNKNOWN_MESSAGE
+    assert repr(tag) in err.message
+
+
+def test_a_map_instead_of_an_array_is_invalid():
+    err = decode_error([V1, payload({"tag": 2})])
+    assert err.code is ErrorCode.INVALID_MESSAGE
+
+
+@pytest.mark.parametrize(
+    ("obj", "where"),
+    [
+        ([2, "r1", [1, -2, 3]], "Generate.prompt_token_ids[1]"),
+        ([2, "r1", [1, 2.5]], "Generate.prompt_token_ids[1]"),
+        ([2, "r1", [1, "x"]], "Generate.prompt_token_ids[1]"),
+        ([2, "r1", [2**31]], "Generate.prompt_token_ids[0]"),
+        ([2, "r1", "123"], "Generate.prompt_token_ids"),
+        ([2, "r1", [1], "yes"], "Generate.stream"),
+        ([2, "r1", [1], True, {"temperature": "hot"}], "Generate.sampling.temperature"),
+        ([2, "r1", [1], True, {"temprature": 1.0}], "Generate.sampling"),
+        ([2, "r1", [1], True, {}, {"priority": "high"}], "Generate.options.priority"),
+        ([2, "", [1]], "Generate.request_id"),
+        ([3, [1, 2]], "Abort.request_ids[0]"),
+        ([1, "1"], "Hello.protocol_version"),
+    ],
+)
+def test_wrong_types_and_values_name_the_field(obj, where):
+    err = decode_error([V1, payload(obj)])
+    assert err.code is ErrorCode.INVALID_MESSAGE
+    assert err.message.startswith(where), err.message
+
+
+def test_wrong_types_in_a_generate_carry_its_request_id():
+    err = decode_error([V1, payload([2, "my-req", [1, -5]])])
+    assert err.request_id == "my-req"
+
+
+def test_missing_required_fields_are_named():
+    err = decode_error([V1, payload([2, "r1"])])
+    assert err.code is ErrorCode.INVALID_MESSAGE
+    assert err.message == "Generate: missing required field(s) prompt_token_ids"
+    err = decode_error([V1, payload([1])])
+    assert err.message == "Hello: missing required field(s) protocol_version"
+
+
+def test_extra_trailing_fields_are_refused_on_inbound_messages():
+    err = decode_error([V1, payload([4, 1, "extra"])])
+    assert err.code is ErrorCode.INVALID_MESSAGE
+    assert err.message.startswith("Ping:")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_escape_as_anything_but_protocol_error(raw):
+    try:
+        decode_client([V1, raw])
+    except ProtocolError as exc:
+        assert exc.code in ErrorCode
+
+
+def test_encode_returns_version_and_payload_frames():
+    frames = encode(Generate("r", [1]))
+    assert frames[0] == V1 and isinstance(frames[1], bytes) and len(frames) == 2
+
+
+@pytest.mark.parametrize("raw", [b"\xa1\x80", b"\x93\x02\xa1\xff\x90"])
+def test_invalid_utf8_strings_are_malformed(raw):
+    assert decode_error([V1, raw]).code in (ErrorCode.MALFORMED, ErrorCode.INVALID_MESSAGE)

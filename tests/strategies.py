@@ -1,0 +1,110 @@
+"""Hypothesis strategies for every wire message (codec round-trip and fuzzing)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from codec import (
+    Abort,
+    AbortAck,
+    Error,
+    ErrorCode,
+    Finished,
+    FinishReason,
+    Generate,
+    GetHealth,
+    GetModelInfo,
+    HealthReply,
+    Hello,
+    HelloAck,
+    Limits,
+    Logprobs,
+    ModelInfo,
+    ModelInfoReply,
+    Outputs,
+    Overloaded,
+    Ping,
+    Pong,
+    RequestOptions,
+    RequestOutput,
+    SamplingParams,
+)
+
+token_ids = st.lists(st.integers(0, 2**31 - 1), max_size=64)
+small_ints = st.integers(-(2**40), 2**40)
+floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
+request_ids = st.text(min_size=1, max_size=40)
+text = st.text(max_size=40)
+
+sampling_params = st.builds(
+    SamplingParams,
+    n=st.none() | st.integers(1, 8),
+    temperature=st.none() | floats,
+    top_p=st.none() | floats,
+    top_k=st.none() | small_ints,
+    min_p=st.none() | floats,
+    seed=st.none() | small_ints,
+    max_tokens=st.none() | small_ints,
+    min_tokens=st.none() | small_ints,
+    stop_token_ids=st.none() | st.lists(small_ints, max_size=4),
+    ignore_eos=st.none() | st.booleans(),
+    logprobs=st.none() | small_ints,
+    prompt_logprobs=st.none() | small_ints,
+    presence_penalty=st.none() | floats,
+    frequency_penalty=st.none() | floats,
+    repetition_penalty=st.none() | floats,
+    logit_bias=st.none() | st.dictionaries(small_ints, floats, max_size=4),
+    allowed_token_ids=st.none() | st.lists(small_ints, max_size=4),
+    bad_words_token_ids=st.none() | st.lists(st.lists(small_ints, max_size=3), max_size=3),
+)
+json_values = st.recursive(
+    st.none() | st.booleans() | small_ints | floats | text,
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(text, children, max_size=3),
+    max_leaves=8,
+)
+request_options = st.builds(
+    RequestOptions,
+    priority=small_ints,
+    cache_salt=st.none() | text,
+    kv_transfer_params=st.none() | st.dictionaries(text, json_values, max_size=3),
+    lora_name=st.none() | text,
+    data_parallel_rank=st.none() | st.integers(0, 64),
+)
+client_messages = st.one_of(
+    st.builds(Hello, st.integers(0, 255), text, st.floats(0, 1e6)),
+    st.builds(Generate, request_ids, token_ids, st.booleans(), sampling_params,
+              st.none() | request_options),
+    st.builds(Abort, st.none() | st.lists(text, max_size=8)),
+    st.builds(Ping, small_ints),
+    st.builds(GetModelInfo, small_ints),
+    st.builds(GetHealth, small_ints),
+)
+
+logprobs = st.integers(0, 4).flatmap(
+    lambda k: st.builds(
+        Logprobs,
+        st.lists(st.lists(st.integers(0, 10**6), min_size=k, max_size=k), max_size=4),
+        st.lists(st.lists(floats, min_size=k, max_size=k), max_size=4),
+        st.lists(st.integers(1, 10**6), max_size=4),
+    )
+)
+finished = st.builds(Finished, st.sampled_from(FinishReason), st.none() | st.integers(0, 10**6),
+                     st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6))
+request_outputs = st.builds(RequestOutput, request_ids, token_ids, st.none() | finished,
+                            st.none() | logprobs, st.none() | logprobs, st.integers(0, 16))
+model_info = st.builds(ModelInfo, text, st.integers(1, 10**6), st.integers(1, 10**6),
+                       st.lists(st.integers(0, 10**6), max_size=3))
+limits = st.builds(Limits, *[st.integers(0, 2**40)] * 6)
+server_messages = st.one_of(
+    st.builds(HelloAck, st.integers(0, 255), text, model_info, limits, st.floats(0, 1e6),
+              st.floats(0, 1e6)),
+    st.builds(Outputs, st.lists(request_outputs, max_size=6)),
+    st.builds(Error, st.none() | request_ids, st.sampled_from(ErrorCode), text),
+    st.builds(AbortAck, st.lists(text, max_size=4), st.lists(text, max_size=4)),
+    st.builds(Pong, small_ints),
+    st.builds(Overloaded, request_ids, text, st.integers(0, 10**6), st.integers(0, 10**6), text),
+    st.builds(ModelInfoReply, small_ints, model_info, limits),
+    st.builds(HealthReply, small_ints, st.booleans(), text, st.integers(0, 10**6),
+              st.integers(0, 10**6)),
+)
