@@ -1,0 +1,54 @@
+"""The hex dumps in docs/PROTOCOL.md are real frames that decode to the values shown."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from codec import Generate, Hello, Outputs, decode_client, decode_server, encode
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
+_PAIR = re.compile(r"```hex\n(.*?)```\n```json\n(.*?)```", re.S)
+
+
+def _dumps() -> list[tuple[list[bytes], object]]:
+    pairs = []
+    for hex_text, json_text in _PAIR.findall(DOC.read_text()):
+        lines = hex_text.strip().splitlines()
+        version = bytes.fromhex(lines[0])
+        payload = bytes.fromhex(" ".join(lines[1:]))
+        pairs.append(([version, payload], json.loads(json_text)))
+    return pairs
+
+
+def test_the_document_has_the_three_dumps():
+    assert [value[0] for _, value in _dumps()] == [1, 2, 65]
+
+
+@pytest.mark.parametrize(("frames", "value"), _dumps())
+def test_each_dump_decodes_to_its_documented_value(frames, value):
+    assert msgspec.msgpack.decode(frames[1]) == value
+    tag = value[0]
+    msg = decode_server(frames) if tag >= 64 else decode_client(frames)
+    assert encode(msg) == frames  # and our encoder produces exactly these bytes
+
+
+def test_dumps_decode_to_the_described_messages():
+    (hello, _), (generate, _), (outputs, _) = _dumps()
+    h = decode_client(hello)
+    assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
+    g = decode_client(generate)
+    assert isinstance(g, Generate)
+    assert (g.request_id, g.prompt_token_ids, g.stream) == ("req-7", [1, 300, 70000], True)
+    assert (g.sampling.temperature, g.sampling.max_tokens, g.sampling.stop_token_ids) == (0.0, 16, [2])
+    o = decode_server(outputs)
+    assert isinstance(o, Outputs)
+    first, second = o.outputs
+    assert first.new_token_ids == [42] and first.finished is None
+    assert second.new_token_ids == [7, 8]
+    assert (second.finished.finish_reason, second.finished.stop_reason) == (0, 2)
+    assert (second.finished.prompt_tokens, second.finished.output_tokens) == (3, 12)
