@@ -27,6 +27,7 @@ from codec import (
     Abort,
     AbortAck,
     Error,
+    ErrorCode,
     Generate,
     GetHealth,
     GetModelInfo,
@@ -355,7 +356,9 @@ class AsyncClient:
 
     def _on_error(self, msg: Error) -> None:
         exc = RequestFailed(msg.request_id, msg.code, msg.message)
-        if msg.request_id is not None and msg.request_id in self._streams:
+        # DUPLICATE_REQUEST_ID refers to a refused new Generate, not to the live request.
+        if (msg.request_id is not None and msg.request_id in self._streams
+                and msg.code is not ErrorCode.DUPLICATE_REQUEST_ID):
             self._end_stream(msg.request_id, exc)
             return
         self.connection_errors.append(msg)

@@ -240,16 +240,16 @@ class SessionTable:
                 client_id, request_id, ErrorCode.HANDSHAKE_REQUIRED,
                 "send Hello before Generate (or again after a heartbeat timeout)",
             )
-        if self.state is not GatewayState.SERVING:
-            code = ErrorCode.DRAINING if self.state is GatewayState.DRAINING else ErrorCode.ENGINE_DEAD
-            return self._refuse(client_id, request_id, code, f"gateway is {self.state.value}; "
-                                "no new requests are accepted")
         if request_id in client.requests:
             return self._refuse(
                 client_id, request_id, ErrorCode.DUPLICATE_REQUEST_ID,
                 f"request id {request_id!r} is already live for this client; the live"
                 " request is unaffected",
             )
+        if self.state is not GatewayState.SERVING:
+            code = ErrorCode.DRAINING if self.state is GatewayState.DRAINING else ErrorCode.ENGINE_DEAD
+            return self._refuse(client_id, request_id, code, f"gateway is {self.state.value}; "
+                                "no new requests are accepted")
         limits = self.wire_limits
         if len(client.requests) >= limits.max_in_flight_per_client:
             return self._overloaded(client_id, request_id, "max_in_flight_per_client",

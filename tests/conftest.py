@@ -1,0 +1,81 @@
+"""Shared fixtures: gateways over ipc:// (fake engine), and one real CPU vLLM engine
+for the whole test session (started on first use, ~40 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import AsyncIterator
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# Keep the engine small and the test prompts near its length limit cheap.
+TEST_MAX_MODEL_LEN = 512
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="run long fuzz and soak tests")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long run: use --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def ipc_address(tag: str = "gw") -> str:
+    """A fresh ipc:// address in a private temporary directory (short enough for AF_UNIX)."""
+    return f"ipc://{tempfile.mkdtemp(prefix='eg-')}/{tag}.sock"
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(engine, limits=None, **kwargs) -> AsyncIterator:
+    """Serve ``engine`` on a fresh ipc:// address; always stopped on exit."""
+    from gateway.server import Gateway
+    from gateway.sessions import GatewayLimits
+
+    gateway = Gateway(engine, ipc_address(), limits or GatewayLimits(), **kwargs)
+    task = asyncio.ensure_future(gateway.serve())
+    try:
+        async with asyncio.timeout(10):
+            await asyncio.wait([task, asyncio.ensure_future(gateway.ready.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        yield gateway
+    finally:
+        gateway.stop(gateway.exit_code)
+        async with asyncio.timeout(10):
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine():
+    """One real vLLM EngineCore on the tiny model, shared by the whole session."""
+    from gateway.tiny_model import ensure_tiny_model
+    from gateway.vllm_engine import VllmEngine, default_engine_args
+
+    args = default_engine_args(
+        str(ensure_tiny_model()),
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        max_model_len=TEST_MAX_MODEL_LEN,
+        seed=0,
+    )
+    engine = await VllmEngine.start(args)
+    yield engine
+    await engine.aclose()
+
+
+@pytest.fixture(scope="session")
+async def real_gateway(vllm_engine):
+    """A gateway on the shared real engine, for tests that only need a client."""
+    async with running_gateway(vllm_engine) as gateway:
+        yield gateway

@@ -1,0 +1,361 @@
+"""SessionTable rules, driven in memory with a fake clock (no sockets, no engine process)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from codec import (
+    Abort,
+    AbortAck,
+    Error,
+    ErrorCode,
+    FinishReason,
+    Generate,
+    GetHealth,
+    HealthReply,
+    Hello,
+    HelloAck,
+    Outputs,
+    Overloaded,
+    Ping,
+    Pong,
+    SamplingParams,
+)
+from gateway.fake_engine import FakeOutput
+from gateway.sessions import GatewayLimits
+from tests.helpers import TableHarness, TerminalLedger
+
+A, B = b"client-a", b"client-b"
+
+
+def hello(h: TableHarness, client_id: bytes, interval: float = 1.0) -> HelloAck:
+    h.send(client_id, Hello(1, "t", interval))
+    (ack,) = h.take(client_id)
+    assert isinstance(ack, HelloAck)
+    return ack
+
+
+def engine_ids(h: TableHarness) -> list[str]:
+    return [p.request_id for p in h.submitted]
+
+
+def test_generate_before_hello_is_handshake_required():
+    h = TableHarness()
+    h.send(A, Generate("r1", [5]))
+    (err,) = h.take(A)
+    assert isinstance(err, Error) and err.code is ErrorCode.HANDSHAKE_REQUIRED
+    assert err.request_id == "r1" and not h.submitted
+
+
+def test_probes_are_answered_without_a_session():
+    h = TableHarness()
+    h.send(A, Ping(7))
+    h.send(A, GetHealth(3))
+    pong, health = h.take(A)
+    assert pong == Pong(7)
+    assert isinstance(health, HealthReply) and health.ready and health.call_id == 3
+
+
+def test_hello_with_another_protocol_version_is_refused():
+    h = TableHarness()
+    h.send(A, Hello(2))
+    (err,) = h.take(A)
+    assert err.code is ErrorCode.UNSUPPORTED_VERSION and h.table.connected_clients == 0
+
+
+def test_hello_ack_reports_model_limits_and_clamped_heartbeat():
+    h = TableHarness(GatewayLimits(max_in_flight_per_client=7))
+    ack = hello(h, A, interval=0.0001)
+    assert ack.model.eos_token_ids == [2, 3] and ack.model.vocab_size == 512
+    assert ack.limits.max_in_flight_per_client == 7
+    assert ack.heartbeat_interval_s == 0.05 and ack.heartbeat_timeout_s == 0.05 * 3
+
+
+def test_two_clients_may_use_the_same_request_id():
+    h = TableHarness()
+    hello(h, A)
+    hello(h, B)
+    h.send(A, Generate("same", [5]))
+    h.send(B, Generate("same", [6]))
+    ea, eb = engine_ids(h)
+    assert ea != eb
+    h.step(FakeOutput(ea, [10]), FakeOutput(eb, [20]))
+    (out_a,) = h.take(A)
+    (out_b,) = h.take(B)
+    assert out_a.outputs[0].new_token_ids == [10]
+    assert out_b.outputs[0].new_token_ids == [20]
+
+
+def test_duplicate_live_request_id_is_refused_and_the_live_one_continues():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5]))
+    h.send(A, Generate("r1", [6]))
+    (err,) = h.take(A)
+    assert err.code is ErrorCode.DUPLICATE_REQUEST_ID and err.request_id == "r1"
+    (eid,) = engine_ids(h)
+    h.step(FakeOutput(eid, [9], finish_reason=1))
+    (out,) = h.take(A)
+    assert out.outputs[0].finished.finish_reason is FinishReason.LENGTH
+    h.send(A, Generate("r1", [6]))  # reusable after its terminal
+    assert len(engine_ids(h)) == 2 and not h.take(A)
+
+
+def test_one_outputs_frame_per_client_per_step():
+    h = TableHarness()
+    hello(h, A)
+    for i in range(3):
+        h.send(A, Generate(f"r{i}", [5]))
+    replies = h.step(*(FakeOutput(e, [i]) for i, e in enumerate(engine_ids(h))))
+    assert len(replies) == 1
+    client_id, msg = replies[0]
+    assert client_id == A and [o.request_id for o in msg.outputs] == ["r0", "r1", "r2"]
+
+
+def test_non_streaming_gets_one_final_output_with_all_tokens_and_counts():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5, 6, 7], stream=False))
+    (eid,) = engine_ids(h)
+    assert h.step(FakeOutput(eid, [1])) == []
+    h.step(FakeOutput(eid, [2, 3]))
+    h.step(FakeOutput(eid, [2], finish_reason=0, stop_reason=2))
+    (msg,) = h.take(A)
+    (out,) = msg.outputs
+    assert out.new_token_ids == [1, 2, 3, 2]
+    assert out.finished.finish_reason is FinishReason.STOP and out.finished.stop_reason == 2
+    assert (out.finished.prompt_tokens, out.finished.output_tokens) == (3, 4)
+    assert h.table.live_requests == 0
+
+
+def test_abort_mid_stream_sends_abort_terminal_then_ack_and_drops_late_outputs():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5]))
+    (eid,) = engine_ids(h)
+    h.step(FakeOutput(eid, [1]))
+    h.step(FakeOutput(eid, [2]))
+    h.take(A)
+    h.send(A, Abort(["r1"]))
+    assert h.aborted == [eid]
+    terminal, ack = h.take(A)
+    (out,) = terminal.outputs
+    assert out.new_token_ids == [] and out.finished.finish_reason is FinishReason.ABORT
+    assert out.finished.output_tokens == 2
+    assert ack == AbortAck(["r1"], [])
+    assert h.step(FakeOutput(eid, [3], finish_reason=1)) == []  # raced the abort: dropped
+
+
+def test_abort_of_a_non_streaming_request_returns_its_partial_tokens():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5], stream=False))
+    (eid,) = engine_ids(h)
+    h.step(FakeOutput(eid, [7, 8]))
+    h.send(A, Abort(["r1"]))
+    terminal, _ = h.take(A)
+    assert terminal.outputs[0].new_token_ids == [7, 8]
+
+
+def test_abort_of_unknown_finished_and_repeated_ids_is_listed_in_ack():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("done", [5]))
+    (eid,) = engine_ids(h)
+    h.step(FakeOutput(eid, [1], finish_reason=1))
+    h.send(A, Generate("live", [5]))
+    h.take(A)
+    h.send(A, Abort(["nope", "done", "live", "live"]))
+    terminal, ack = h.take(A)
+    assert [o.request_id for o in terminal.outputs] == ["live"]
+    assert ack == AbortAck(["live"], ["nope", "done"])
+    h.send(A, Abort(["live"]))
+    assert h.take(A) == [AbortAck([], ["live"])]
+
+
+def test_abort_all_ends_only_this_clients_requests():
+    h = TableHarness()
+    hello(h, A)
+    hello(h, B)
+    h.send(A, Generate("a1", [5]))
+    h.send(A, Generate("a2", [5]))
+    h.send(B, Generate("b1", [5]))
+    h.send(A, Abort(None))
+    terminal, ack = h.take(A)
+    assert sorted(ack.aborted) == ["a1", "a2"] and len(terminal.outputs) == 2
+    assert h.table.client_request_ids(B) == ["b1"] and not h.take(B)
+
+
+def test_abort_with_too_many_ids_is_refused():
+    h = TableHarness(GatewayLimits(max_abort_ids=2))
+    hello(h, A)
+    h.send(A, Abort(["a", "b", "c"]))
+    (err,) = h.take(A)
+    assert err.code is ErrorCode.INVALID_MESSAGE and "limit is 2" in err.message
+
+
+def test_n_samples_each_get_a_terminal_and_the_request_ends_with_the_last():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5], sampling=SamplingParams(n=2)))
+    e0, e1 = engine_ids(h)
+    h.step(FakeOutput(e0, [1], finish_reason=1))
+    assert h.table.live_requests == 1
+    h.step(FakeOutput(e1, [2], finish_reason=1))
+    assert h.table.live_requests == 0
+    first, second = h.take(A)
+    assert (first.outputs[0].index, second.outputs[0].index) == (0, 1)
+
+
+def test_overloaded_per_client_and_in_total():
+    h = TableHarness(GatewayLimits(max_in_flight_per_client=2, max_in_flight_total=3))
+    hello(h, A)
+    hello(h, B)
+    for i in range(3):
+        h.send(A, Generate(f"a{i}", [5]))
+    (over,) = h.take(A)
+    assert isinstance(over, Overloaded) and over.request_id == "a2"
+    assert (over.limit, over.limit_value, over.current) == ("max_in_flight_per_client", 2, 2)
+    h.send(B, Generate("b0", [5]))
+    h.send(B, Generate("b1", [5]))
+    (over,) = h.take(B)
+    assert (over.limit, over.limit_value, over.current) == ("max_in_flight_total", 3, 3)
+
+
+def test_prompt_longer_than_max_prompt_tokens_is_invalid():
+    h = TableHarness(GatewayLimits(max_prompt_tokens=4))
+    hello(h, A)
+    h.send(A, Generate("r1", [1] * 5))
+    (err,) = h.take(A)
+    assert err.code is ErrorCode.INVALID_REQUEST and "max_prompt_tokens (4)" in err.message
+
+
+def test_engine_rejection_gives_an_error_and_leaves_no_state():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [9999]))
+    (err,) = h.take(A)
+    assert err.code is ErrorCode.INVALID_REQUEST and "out of vocabulary" in err.message
+    assert h.table.live_requests == 0 and h.table.client_request_ids(A) == []
+
+
+def test_silent_clients_expire_and_their_requests_are_aborted():
+    h = TableHarness()
+    hello(h, A, interval=1.0)
+    hello(h, B, interval=1.0)
+    h.send(A, Generate("r1", [5]))
+    (eid,) = engine_ids(h)
+    h.now = 2.5
+    h.send(B, Ping(1))  # B stays alive
+    h.now = 3.1
+    effects = h.apply(h.table.expire(h.now))
+    assert effects.abort == [eid]
+    assert h.table.connected_clients == 1 and h.table.live_requests == 0
+    assert h.take(A)[-1].outputs[0].finished.finish_reason is FinishReason.ABORT
+    h.send(A, Generate("r2", [5]))
+    assert h.take(A)[0].code is ErrorCode.HANDSHAKE_REQUIRED
+
+
+def test_second_hello_ends_the_old_session_before_its_ack():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5]))
+    (eid,) = engine_ids(h)
+    h.send(A, Hello(1))
+    terminal, ack = h.take(A)
+    assert terminal.outputs[0].finished.finish_reason is FinishReason.ABORT
+    assert isinstance(ack, HelloAck) and h.aborted == [eid]
+
+
+def test_engine_death_errors_every_live_request_and_refuses_new_ones():
+    h = TableHarness()
+    hello(h, A)
+    hello(h, B)
+    h.send(A, Generate("a1", [5]))
+    h.send(B, Generate("b1", [5]))
+    effects = h.apply(h.table.on_engine_dead("boom"))
+    assert effects.abort == []
+    (ea,) = h.take(A)
+    assert ea.code is ErrorCode.ENGINE_DEAD and ea.request_id == "a1"
+    assert h.take(B)[0].request_id == "b1"
+    h.send(A, Generate("a2", [5]))
+    assert h.take(A)[0].code is ErrorCode.ENGINE_DEAD
+    h.send(A, GetHealth(1))
+    assert h.take(A)[0].state == "engine_dead"
+
+
+def test_drain_refuses_new_requests_and_abort_all_ends_the_rest():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5]))
+    h.table.start_drain()
+    h.send(A, Generate("r2", [5]))
+    (err,) = h.take(A)
+    assert err.code is ErrorCode.DRAINING
+    h.apply(h.table.abort_all())
+    (terminal,) = h.take(A)
+    assert terminal.outputs[0].finished.finish_reason is FinishReason.ABORT
+    assert h.table.live_requests == 0
+
+
+# ---------------------------------------------------------------- property
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("generate"), st.sampled_from([A, B]), st.integers(0, 5),
+                  st.booleans(), st.integers(1, 3)),
+        st.tuples(st.just("abort"), st.sampled_from([A, B]),
+                  st.none() | st.lists(st.integers(0, 7), max_size=3)),
+        st.tuples(st.just("step"), st.lists(st.tuples(st.integers(0, 40), st.booleans()),
+                                            max_size=6)),
+        st.tuples(st.just("hello"), st.sampled_from([A, B])),
+        st.tuples(st.just("tick"), st.floats(0, 2)),
+        st.just(("engine_dead",)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_every_accepted_request_gets_exactly_one_terminal_and_nothing_after(ops):
+    h = TableHarness()
+    ledger = TerminalLedger()
+    for client_id in (A, B):
+        hello(h, client_id)
+
+    def deliver():
+        for client_id in (A, B):
+            for msg in h.take(client_id):
+                ledger.observe(client_id, msg)
+
+    for op in ops:
+        kind = op[0]
+        if kind == "generate":
+            _, client_id, rid, stream, n = op
+            before = len(h.submitted)
+            h.send(client_id, Generate(f"r{rid}", [5], stream, SamplingParams(n=n)))
+            if len(h.submitted) > before:
+                ledger.submitted(client_id, f"r{rid}", n)
+        elif kind == "abort":
+            _, client_id, ids = op
+            h.send(client_id, Abort(None if ids is None else [f"r{i}" for i in ids]))
+        elif kind == "step":
+            ids = engine_ids(h)
+            outs = [FakeOutput(ids[i], [i], 1 if fin else None) for i, fin in op[1]
+                    if i < len(ids)]
+            h.step(*outs)
+        elif kind == "hello":
+            h.send(op[1], Hello(1, "again", 1.0))
+        elif kind == "tick":
+            h.now += op[1]
+            h.apply(h.table.expire(h.now))
+        else:
+            h.apply(h.table.on_engine_dead("killed"))
+        deliver()
+    # Whatever is still live ends at shutdown: every accepted request is accounted for.
+    h.apply(h.table.abort_all())
+    deliver()
+    ledger.assert_complete()
+    assert h.table.live_requests == 0 and h.table.live_engine_request_ids() == []

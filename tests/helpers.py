@@ -1,0 +1,119 @@
+"""Test tools: a table driven in memory, and a checker for the one-terminal invariant."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from codec import Error, ErrorCode, Outputs, RequestOutput, ServerMessage
+from gateway.engine import EngineInfo
+from gateway.fake_engine import FakeEngine, FakeOutput
+from gateway.sessions import Effects, GatewayLimits, SessionTable
+
+FAKE_INFO = EngineInfo("fake", 256, 512, (2, 3), 5, 64)
+
+
+@dataclass
+class _Instance:
+    n: int
+    terminals: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    errors: int = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.errors > 0 or all(self.terminals[i] for i in range(self.n))
+
+
+@dataclass
+class TerminalLedger:
+    """Records what each (client, request) received; checks one terminal, nothing after.
+
+    Call ``submitted`` for every accepted request and ``observe`` for every
+    frame a client got, in order; ``assert_complete`` checks PROTOCOL.md §7.
+    A request id may be reused after its terminal: each use is its own instance.
+    """
+
+    current: dict[tuple[bytes, str], _Instance] = field(default_factory=dict)
+    finished: list[_Instance] = field(default_factory=list)
+    after_terminal: list[tuple[bytes, str]] = field(default_factory=list)
+    tokens: dict[tuple[bytes, str, int], list[int]] = field(default_factory=lambda: defaultdict(list))
+
+    def submitted(self, client_id: bytes, request_id: str, n: int = 1) -> None:
+        key = (client_id, request_id)
+        assert key not in self.current, f"{key} accepted twice while live"
+        self.current[key] = _Instance(n)
+        for index in range(n):
+            self.tokens[(client_id, request_id, index)] = []
+
+    def refused(self, client_id: bytes, request_id: str) -> None:
+        """An Overloaded/refusal for a request the caller optimistically submitted."""
+        self.current.pop((client_id, request_id), None)
+
+    def _retire_if_ended(self, key: tuple[bytes, str]) -> None:
+        instance = self.current[key]
+        if instance.ended:
+            self.finished.append(self.current.pop(key))
+
+    def observe(self, client_id: bytes, msg: ServerMessage) -> None:
+        if isinstance(msg, Outputs):
+            for out in msg.outputs:
+                self._observe_output(client_id, out)
+        elif isinstance(msg, Error) and msg.request_id is not None:
+            key = (client_id, msg.request_id)
+            # DUPLICATE_REQUEST_ID names a live id but refers to the refused new Generate.
+            if key in self.current and msg.code is not ErrorCode.DUPLICATE_REQUEST_ID:
+                self.current[key].errors += 1
+                self._retire_if_ended(key)
+
+    def _observe_output(self, client_id: bytes, out: RequestOutput) -> None:
+        key = (client_id, out.request_id)
+        instance = self.current.get(key)
+        if instance is None or instance.terminals[out.index]:
+            self.after_terminal.append(key)
+            return
+        self.tokens[(client_id, out.request_id, out.index)].extend(out.new_token_ids)
+        if out.finished is not None:
+            instance.terminals[out.index] += 1
+            self._retire_if_ended(key)
+
+    def assert_complete(self) -> None:
+        assert not self.after_terminal, f"frames after a terminal: {self.after_terminal[:5]}"
+        assert not self.current, f"requests without a terminal: {list(self.current)[:5]}"
+        for instance in self.finished:
+            if instance.errors:
+                assert instance.errors == 1
+                assert not any(instance.terminals.values()) or instance.errors == 1
+            else:
+                assert all(instance.terminals[i] == 1 for i in range(instance.n))
+
+
+class TableHarness:
+    """A SessionTable over a FakeEngine's prepare(), stepped by hand; no I/O."""
+
+    def __init__(self, limits: GatewayLimits = GatewayLimits(), info: EngineInfo = FAKE_INFO):
+        self.engine = FakeEngine(info=info)
+        self.table = SessionTable(info, self.engine.prepare, limits)
+        self.now = 0.0
+        self.submitted: list = []
+        self.aborted: list[str] = []
+        self.received: dict[bytes, list[ServerMessage]] = defaultdict(list)
+
+    def apply(self, effects: Effects) -> Effects:
+        for client_id, msg in effects.replies:
+            self.received[client_id].append(msg)
+        self.submitted.extend(effects.submit)
+        self.aborted.extend(effects.abort)
+        return effects
+
+    def send(self, client_id: bytes, msg) -> Effects:
+        return self.apply(self.table.on_message(client_id, msg, self.now))
+
+    def step(self, *outputs: FakeOutput) -> list:
+        replies = self.table.on_step(list(outputs))
+        for client_id, msg in replies:
+            self.received[client_id].append(msg)
+        return replies
+
+    def take(self, client_id: bytes) -> list[ServerMessage]:
+        msgs, self.received[client_id] = self.received[client_id], []
+        return msgs
