@@ -18,7 +18,15 @@ import timeit
 
 import msgspec
 
-from codec import Generate, Outputs, RequestOutput, SamplingParams, decode_client, decode_server, encode
+from codec import (
+    Generate,
+    Outputs,
+    RequestOutput,
+    SamplingParams,
+    decode_client,
+    decode_server,
+    encode,
+)
 
 
 class _BinGenerate(msgspec.Struct, array_like=True, tag=2):
@@ -63,10 +71,14 @@ def run() -> dict:
         return ids.tolist()  # vLLM wants list[int]
 
     def bin_out_roundtrip() -> list[list[int]]:
-        raw = enc.encode(_BinOutputs([
-            _BinOutput(o.request_id, array.array("i", o.new_token_ids).tobytes())
-            for o in batch.outputs
-        ]))
+        raw = enc.encode(
+            _BinOutputs(
+                [
+                    _BinOutput(o.request_id, array.array("i", o.new_token_ids).tobytes())
+                    for o in batch.outputs
+                ]
+            )
+        )
         return [array.array("i", o.new_token_ids).tolist() for o in bin_out_dec.decode(raw).outputs]
 
     results = {
@@ -75,7 +87,9 @@ def run() -> dict:
         "machine": platform.machine(),
         "generate_4096": {
             "bytes_msgpack_list": len(gen_frames[1]),
-            "bytes_int32_bin": len(enc.encode(_BinGenerate("req-1", array.array("i", prompt).tobytes()))),
+            "bytes_int32_bin": len(
+                enc.encode(_BinGenerate("req-1", array.array("i", prompt).tobytes()))
+            ),
             "encode_us": _time(lambda: encode(gen), 2000),
             "decode_us": _time(lambda: decode_client(gen_frames), 2000),
             "roundtrip_us_msgpack_list": _time(lambda: decode_client(encode(gen)), 2000),

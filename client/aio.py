@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -161,10 +162,8 @@ class AsyncClient:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
         self._fail_all(GatewayUnavailable("client closed"))
         if self._sock is not None:
             self._sock.close(linger=100)
@@ -236,8 +235,9 @@ class AsyncClient:
     ) -> list[Completion]:
         """Run a non-streaming request; one Completion per sample, by index."""
         acc = Accumulator()
-        async for out in self.generate(prompt_token_ids, sampling, stream=False,
-                                       request_id=request_id, options=options):
+        async for out in self.generate(
+            prompt_token_ids, sampling, stream=False, request_id=request_id, options=options
+        ):
             acc.add(out)
         return [acc.done[i] for i in sorted(acc.done)]
 
@@ -252,8 +252,9 @@ class AsyncClient:
         """Run a non-streaming single-sample request and return its Completion."""
         if sampling is not None and sampling.n not in (None, 1):
             raise ValueError("complete() is for n=1; use complete_samples() for n>1")
-        (completion,) = await self.complete_samples(prompt_token_ids, sampling,
-                                                    request_id=request_id, options=options)
+        (completion,) = await self.complete_samples(
+            prompt_token_ids, sampling, request_id=request_id, options=options
+        )
         return completion
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> AbortAck:
@@ -336,8 +337,12 @@ class AsyncClient:
         if kind is Error:
             self._on_error(msg)
         elif kind is Overloaded:
-            self._end_stream(msg.request_id, RequestOverloaded(
-                msg.request_id, msg.limit, msg.limit_value, msg.current, msg.message))
+            self._end_stream(
+                msg.request_id,
+                RequestOverloaded(
+                    msg.request_id, msg.limit, msg.limit_value, msg.current, msg.message
+                ),
+            )
         elif kind is AbortAck:
             waiter = self._abort_waiters.popleft() if self._abort_waiters else None
             if waiter is not None and not waiter.done():
@@ -357,8 +362,11 @@ class AsyncClient:
     def _on_error(self, msg: Error) -> None:
         exc = RequestFailed(msg.request_id, msg.code, msg.message)
         # DUPLICATE_REQUEST_ID refers to a refused new Generate, not to the live request.
-        if (msg.request_id is not None and msg.request_id in self._streams
-                and msg.code is not ErrorCode.DUPLICATE_REQUEST_ID):
+        if (
+            msg.request_id is not None
+            and msg.request_id in self._streams
+            and msg.code is not ErrorCode.DUPLICATE_REQUEST_ID
+        ):
             self._end_stream(msg.request_id, exc)
             return
         self.connection_errors.append(msg)
@@ -384,8 +392,11 @@ class AsyncClient:
             await asyncio.sleep(interval)
             self._send(Ping(next(nonces)))
             if time.monotonic() - self._last_heard > timeout:
-                self._fail_all(GatewayUnavailable(
-                    f"gateway at {self.address} silent for more than {timeout:.1f}s"))
+                self._fail_all(
+                    GatewayUnavailable(
+                        f"gateway at {self.address} silent for more than {timeout:.1f}s"
+                    )
+                )
 
     def _fail_all(self, exc: GatewayUnavailable) -> None:
         self._failure = exc

@@ -11,7 +11,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from codec import AbortAck, HealthReply, ModelInfoReply, RequestOptions, RequestOutput, SamplingParams
+from codec import (
+    AbortAck,
+    HealthReply,
+    ModelInfoReply,
+    RequestOptions,
+    RequestOutput,
+    SamplingParams,
+)
 
 from .aio import AsyncClient
 from .results import Completion
@@ -24,8 +31,9 @@ class Client:
 
     def __init__(self, address: str, **kwargs: Any):
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="gateway-client-loop")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="gateway-client-loop"
+        )
         self._thread.start()
         self._async = AsyncClient(address, **kwargs)
         try:
@@ -57,8 +65,9 @@ class Client:
         options: RequestOptions | None = None,
     ) -> Iterator[RequestOutput]:
         """Like AsyncClient.generate, as a plain iterator."""
-        agen = self._async.generate(prompt_token_ids, sampling, stream=stream,
-                                    request_id=request_id, options=options)
+        agen = self._async.generate(
+            prompt_token_ids, sampling, stream=stream, request_id=request_id, options=options
+        )
         try:
             while True:
                 try:
@@ -68,12 +77,14 @@ class Client:
         finally:
             self._run(agen.aclose())
 
-    def complete(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
-                 **kwargs: Any) -> Completion:
+    def complete(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, **kwargs: Any
+    ) -> Completion:
         return self._run(self._async.complete(prompt_token_ids, sampling, **kwargs))
 
-    def complete_samples(self, prompt_token_ids: Sequence[int],
-                         sampling: SamplingParams | None = None, **kwargs: Any) -> list[Completion]:
+    def complete_samples(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, **kwargs: Any
+    ) -> list[Completion]:
         return self._run(self._async.complete_samples(prompt_token_ids, sampling, **kwargs))
 
     def abort(self, request_ids: Sequence[str] | None = None) -> AbortAck:

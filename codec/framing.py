@@ -138,11 +138,13 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
     name = cls.__name__
     if match is None:
         # Root shape: too few items means a missing required field.
-        required = [f for f, d in zip(cls.__struct_fields__, _defaults(cls)) if d]
+        required = [f for f, d in zip(cls.__struct_fields__, _defaults(cls), strict=True) if d]
         if isinstance(raw, list) and len(raw) - 1 < len(required):
             missing = ", ".join(required[len(raw) - 1 :])
             return ProtocolError(
-                ErrorCode.INVALID_MESSAGE, f"{name}: missing required field(s) {missing}", request_id
+                ErrorCode.INVALID_MESSAGE,
+                f"{name}: missing required field(s) {missing}",
+                request_id,
             )
         return ProtocolError(ErrorCode.INVALID_MESSAGE, f"{name}: {text}", request_id)
     index, rest = match.groups()

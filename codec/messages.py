@@ -11,7 +11,7 @@ The wire contract for all of this is docs/PROTOCOL.md.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -191,7 +191,7 @@ class GetHealth(_ClientBase, tag=6):
     call_id: int = 0
 
 
-ClientMessage = Union[Hello, Generate, Abort, Ping, GetModelInfo, GetHealth]
+ClientMessage = Hello | Generate | Abort | Ping | GetModelInfo | GetHealth
 
 # ---------------------------------------------------------------- gateway -> client
 
@@ -316,9 +316,9 @@ class HealthReply(_ServerBase, tag=71):
     connected_clients: int
 
 
-ServerMessage = Union[
-    HelloAck, Outputs, Error, AbortAck, Pong, Overloaded, ModelInfoReply, HealthReply
-]
+ServerMessage = (
+    HelloAck | Outputs | Error | AbortAck | Pong | Overloaded | ModelInfoReply | HealthReply
+)
 
 CLIENT_TAGS = {cls.__struct_config__.tag: cls for cls in ClientMessage.__args__}
 SERVER_TAGS = {cls.__struct_config__.tag: cls for cls in ServerMessage.__args__}

@@ -47,26 +47,50 @@ def build_parser() -> argparse.ArgumentParser:
         prog="engine-gateway serve",
         description="Serve a vLLM engine over one ZeroMQ ROUTER socket (docs/PROTOCOL.md).",
     )
-    parser.add_argument("model_tag", nargs="?", default=None,
-                        help="model to serve (as `vllm serve MODEL`); default: the tiny model")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        help="model to serve (as `vllm serve MODEL`); default: the tiny model",
+    )
     g = parser.add_argument_group("gateway")
-    g.add_argument("--bind", action="append", default=None, metavar="ADDR",
-                   help=f"tcp:// or ipc:// address, repeatable (default {DEFAULT_BIND})")
+    g.add_argument(
+        "--bind",
+        action="append",
+        default=None,
+        metavar="ADDR",
+        help=f"tcp:// or ipc:// address, repeatable (default {DEFAULT_BIND})",
+    )
     defaults = GatewayLimits()
-    g.add_argument("--max-in-flight-per-client", type=int,
-                   default=defaults.max_in_flight_per_client)
+    g.add_argument(
+        "--max-in-flight-per-client", type=int, default=defaults.max_in_flight_per_client
+    )
     g.add_argument("--max-in-flight-total", type=int, default=defaults.max_in_flight_total)
     g.add_argument("--max-frame-bytes", type=int, default=defaults.max_frame_bytes)
     g.add_argument("--max-abort-ids", type=int, default=defaults.max_abort_ids)
-    g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="default: the model's max_model_len")
-    g.add_argument("--heartbeat-interval", type=float,
-                   default=defaults.default_heartbeat_interval_s,
-                   help="seconds, when a client's Hello asks for none")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds live requests may run on after SIGTERM")
-    g.add_argument("--lora-module", action="append", type=_lora_module, default=[],
-                   metavar="NAME=PATH", help="LoRA adapter clients may name (with --enable-lora)")
+    g.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="default: the model's max_model_len"
+    )
+    g.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=defaults.default_heartbeat_interval_s,
+        help="seconds, when a client's Hello asks for none",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds live requests may run on after SIGTERM",
+    )
+    g.add_argument(
+        "--lora-module",
+        action="append",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapter clients may name (with --enable-lora)",
+    )
     add_engine_cli_args(parser)
     # Token-only serving needs no tokenizer; --no-skip-tokenizer-init loads one.
     parser.set_defaults(model=None, skip_tokenizer_init=True)
@@ -103,8 +127,13 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     engine = await VllmEngine.start(engine_args_from_namespace(args), dict(args.lora_module))
     try:
-        gateway = Gateway(engine, args.bind or [DEFAULT_BIND], limits,
-                          drain_timeout_s=args.drain_timeout, gateway_version=gateway_version())
+        gateway = Gateway(
+            engine,
+            args.bind or [DEFAULT_BIND],
+            limits,
+            drain_timeout_s=args.drain_timeout,
+            gateway_version=gateway_version(),
+        )
         loop = asyncio.get_running_loop()
         interrupts = 0
 
@@ -119,17 +148,25 @@ async def _serve(args: argparse.Namespace) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
         serving = asyncio.ensure_future(gateway.serve())
-        await asyncio.wait([serving, asyncio.ensure_future(gateway.ready.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            [serving, asyncio.ensure_future(gateway.ready.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         if gateway.ready.is_set():
             info = engine.info
             wl = gateway.table.wire_limits
             logger.info(
                 "engine-gateway %s serving %s on %s (max_model_len=%d, vocab=%d, eos=%s,"
                 " max_in_flight=%d/client %d total, max_frame_bytes=%d)",
-                gateway_version(), info.model_name, " ".join(gateway.addresses),
-                info.max_model_len, info.vocab_size, list(info.eos_token_ids),
-                wl.max_in_flight_per_client, wl.max_in_flight_total, wl.max_frame_bytes,
+                gateway_version(),
+                info.model_name,
+                " ".join(gateway.addresses),
+                info.max_model_len,
+                info.vocab_size,
+                list(info.eos_token_ids),
+                wl.max_in_flight_per_client,
+                wl.max_in_flight_total,
+                wl.max_frame_bytes,
             )
         return await serving
     finally:
@@ -140,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``engine-gateway`` and ``python -m gateway``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] != "serve":
-        print("usage: engine-gateway serve [MODEL] [--bind ADDR] [gateway and vLLM engine"
-              " flags]\n       engine-gateway serve --help", file=sys.stderr)
+        print(
+            "usage: engine-gateway serve [MODEL] [--bind ADDR] [gateway and vLLM engine"
+            " flags]\n       engine-gateway serve --help",
+            file=sys.stderr,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     argv = argv[1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -45,9 +45,7 @@ class FakePrepared:
 class FakeEngine:
     """Emits one token per live request per step, every ``step_interval_s``."""
 
-    info: EngineInfo = field(
-        default_factory=lambda: EngineInfo("fake", 1024, 512, (2,), 20, 256)
-    )
+    info: EngineInfo = field(default_factory=lambda: EngineInfo("fake", 1024, 512, (2,), 20, 256))
     step_interval_s: float = 0.0
     tokens_per_step: int = 1
     _live: dict[str, FakePrepared] = field(default_factory=dict)

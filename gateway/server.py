@@ -76,8 +76,9 @@ class Gateway:
             timeout = self.drain_timeout_s if timeout_s is None else timeout_s
             self._drain_deadline = time.monotonic() + timeout
             self.table.start_drain()
-            logger.info("draining: %d live requests, deadline %.1fs", self.table.live_requests,
-                        timeout)
+            logger.info(
+                "draining: %d live requests, deadline %.1fs", self.table.live_requests, timeout
+            )
 
     def stop(self, exit_code: int = EXIT_OK) -> None:
         """Stop at once (live requests are not ended; prefer drain())."""
@@ -181,8 +182,9 @@ class Gateway:
     def _send(self, client_id: bytes, msg: ServerMessage) -> None:
         sock = self._sock
         assert sock is not None
-        future = sock.send_multipart([client_id, VERSION_FRAME, encode_payload(msg)],
-                                     flags=zmq.NOBLOCK)
+        future = sock.send_multipart(
+            [client_id, VERSION_FRAME, encode_payload(msg)], flags=zmq.NOBLOCK
+        )
         exc = future.exception() if future.done() else None
         if exc is None:
             self.frames_sent += 1
@@ -198,9 +200,11 @@ class Gateway:
     def _on_engine_dead(self, message: str) -> None:
         if self.exit_code == EXIT_ENGINE_DEAD:
             return
-        logger.error("engine died: %s; ending %d live requests and exiting",
-                     message, self.table.live_requests)
+        logger.error(
+            "engine died: %s; ending %d live requests and exiting",
+            message,
+            self.table.live_requests,
+        )
         for client_id, msg in self.table.on_engine_dead(f"engine died: {message}").replies:
             self._send(client_id, msg)
         self.stop(EXIT_ENGINE_DEAD)
-

@@ -215,7 +215,9 @@ class SessionTable:
             self._end_client(client_id, effects)
         limits = self.limits
         interval = msg.heartbeat_interval_s or limits.default_heartbeat_interval_s
-        interval = min(max(interval, limits.min_heartbeat_interval_s), limits.max_heartbeat_interval_s)
+        interval = min(
+            max(interval, limits.min_heartbeat_interval_s), limits.max_heartbeat_interval_s
+        )
         timeout = interval * limits.heartbeat_timeout_factor
         self._clients[client_id] = _Client(client_id, msg.client_name, interval, timeout, now)
         ack = HelloAck(
@@ -237,30 +239,52 @@ class SessionTable:
         client = self._clients.get(client_id)
         if client is None:
             return self._refuse(
-                client_id, request_id, ErrorCode.HANDSHAKE_REQUIRED,
+                client_id,
+                request_id,
+                ErrorCode.HANDSHAKE_REQUIRED,
                 "send Hello before Generate (or again after a heartbeat timeout)",
             )
         if request_id in client.requests:
             return self._refuse(
-                client_id, request_id, ErrorCode.DUPLICATE_REQUEST_ID,
+                client_id,
+                request_id,
+                ErrorCode.DUPLICATE_REQUEST_ID,
                 f"request id {request_id!r} is already live for this client; the live"
                 " request is unaffected",
             )
         if self.state is not GatewayState.SERVING:
-            code = ErrorCode.DRAINING if self.state is GatewayState.DRAINING else ErrorCode.ENGINE_DEAD
-            return self._refuse(client_id, request_id, code, f"gateway is {self.state.value}; "
-                                "no new requests are accepted")
+            code = (
+                ErrorCode.DRAINING if self.state is GatewayState.DRAINING else ErrorCode.ENGINE_DEAD
+            )
+            return self._refuse(
+                client_id,
+                request_id,
+                code,
+                f"gateway is {self.state.value}; no new requests are accepted",
+            )
         limits = self.wire_limits
         if len(client.requests) >= limits.max_in_flight_per_client:
-            return self._overloaded(client_id, request_id, "max_in_flight_per_client",
-                                    limits.max_in_flight_per_client, len(client.requests))
+            return self._overloaded(
+                client_id,
+                request_id,
+                "max_in_flight_per_client",
+                limits.max_in_flight_per_client,
+                len(client.requests),
+            )
         if self._live_requests >= limits.max_in_flight_total:
-            return self._overloaded(client_id, request_id, "max_in_flight_total",
-                                    limits.max_in_flight_total, self._live_requests)
+            return self._overloaded(
+                client_id,
+                request_id,
+                "max_in_flight_total",
+                limits.max_in_flight_total,
+                self._live_requests,
+            )
         prompt_tokens = len(msg.prompt_token_ids)
         if prompt_tokens > limits.max_prompt_tokens:
             return self._refuse(
-                client_id, request_id, ErrorCode.INVALID_REQUEST,
+                client_id,
+                request_id,
+                ErrorCode.INVALID_REQUEST,
                 f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens"
                 f" ({limits.max_prompt_tokens})",
             )
@@ -285,22 +309,40 @@ class SessionTable:
         self._live_requests += 1
         return Effects(submit=list(prepared))
 
-    def _overloaded(self, client_id: bytes, request_id: str, limit: str, value: int,
-                    current: int) -> Effects:
+    def _overloaded(
+        self, client_id: bytes, request_id: str, limit: str, value: int, current: int
+    ) -> Effects:
         message = f"{limit} is {value} and {current} requests are in flight; retry later"
-        return Effects(replies=[(client_id, Overloaded(request_id, limit, value, current, message))])
+        return Effects(
+            replies=[(client_id, Overloaded(request_id, limit, value, current, message))]
+        )
 
     def _on_abort(self, client_id: bytes, msg: Abort, now: float) -> Effects:
         client = self._clients.get(client_id)
         if client is None:
-            return Effects(replies=[(client_id, Error(
-                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before Abort"))])
+            return Effects(
+                replies=[
+                    (
+                        client_id,
+                        Error(None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before Abort"),
+                    )
+                ]
+            )
         ids = list(client.requests) if msg.request_ids is None else msg.request_ids
         if len(ids) > self.wire_limits.max_abort_ids:
-            return Effects(replies=[(client_id, Error(
-                None, ErrorCode.INVALID_MESSAGE,
-                f"Abort.request_ids has {len(ids)} ids; the limit is"
-                f" {self.wire_limits.max_abort_ids}"))])
+            return Effects(
+                replies=[
+                    (
+                        client_id,
+                        Error(
+                            None,
+                            ErrorCode.INVALID_MESSAGE,
+                            f"Abort.request_ids has {len(ids)} ids; the limit is"
+                            f" {self.wire_limits.max_abort_ids}",
+                        ),
+                    )
+                ]
+            )
         effects = Effects()
         terminals: list[RequestOutput] = []
         aborted: list[str] = []
@@ -431,13 +473,15 @@ class SessionTable:
             )
             self._retire(request, sample)
             if request.stream:
-                terminals.append(RequestOutput(request.request_id, [], finished, None, None,
-                                               sample.index))
+                terminals.append(
+                    RequestOutput(request.request_id, [], finished, None, None, sample.index)
+                )
             else:
                 terminals.append(self._final_output(request, sample, finished))
 
-    def _error_request(self, request: _Request, code: ErrorCode, message: str,
-                       effects: Effects) -> None:
+    def _error_request(
+        self, request: _Request, code: ErrorCode, message: str, effects: Effects
+    ) -> None:
         """End ``request`` with one terminal Error (all its samples at once)."""
         for sample in request.samples:
             if not sample.done:
@@ -454,8 +498,9 @@ class SessionTable:
         if terminals:
             effects.replies.append((client_id, Outputs(terminals)))
 
-    def on_add_failed(self, client_id: bytes, request_id: str, code: ErrorCode,
-                      message: str) -> Effects:
+    def on_add_failed(
+        self, client_id: bytes, request_id: str, code: ErrorCode, message: str
+    ) -> Effects:
         """Submitting an accepted request to the engine failed: end it with an Error."""
         effects = Effects()
         client = self._clients.get(client_id)

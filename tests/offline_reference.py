@@ -20,27 +20,42 @@ def main() -> None:
     patch_vllm_cpu_version()
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,
-              gpu_memory_utilization=0.2, max_model_len=spec["max_model_len"], seed=0)
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        max_model_len=spec["max_model_len"],
+        seed=0,
+    )
     results = []
     for case in spec["cases"]:
         params = SamplingParams(detokenize=False, **case["sampling"])
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=case["prompt"])], params,
-                              use_tqdm=False)
+        (out,) = llm.generate(
+            [TokensPrompt(prompt_token_ids=case["prompt"])], params, use_tqdm=False
+        )
         samples = []
         for completion in out.outputs:
-            samples.append({
-                "token_ids": list(completion.token_ids),
-                "finish_reason": completion.finish_reason,
-                "stop_reason": completion.stop_reason,
-                "logprobs": None if completion.logprobs is None else [
-                    {str(t): lp.logprob for t, lp in pos.items()} for pos in completion.logprobs
-                ],
-            })
-        prompt_logprobs = None if out.prompt_logprobs is None else [
-            None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
-            for pos in out.prompt_logprobs
-        ]
+            samples.append(
+                {
+                    "token_ids": list(completion.token_ids),
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                    "logprobs": None
+                    if completion.logprobs is None
+                    else [
+                        {str(t): lp.logprob for t, lp in pos.items()} for pos in completion.logprobs
+                    ],
+                }
+            )
+        prompt_logprobs = (
+            None
+            if out.prompt_logprobs is None
+            else [
+                None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
+                for pos in out.prompt_logprobs
+            ]
+        )
         results.append({"samples": samples, "prompt_logprobs": prompt_logprobs})
     print("REFERENCE_JSON " + json.dumps(results))
 

@@ -59,8 +59,7 @@ sampling_params = st.builds(
 )
 json_values = st.recursive(
     st.none() | st.booleans() | small_ints | floats | text,
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(text, children, max_size=3),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(text, children, max_size=3),
     max_leaves=8,
 )
 request_options = st.builds(
@@ -73,8 +72,14 @@ request_options = st.builds(
 )
 client_messages = st.one_of(
     st.builds(Hello, st.integers(0, 255), text, st.floats(0, 1e6)),
-    st.builds(Generate, request_ids, token_ids, st.booleans(), sampling_params,
-              st.none() | request_options),
+    st.builds(
+        Generate,
+        request_ids,
+        token_ids,
+        st.booleans(),
+        sampling_params,
+        st.none() | request_options,
+    ),
     st.builds(Abort, st.none() | st.lists(text, max_size=8)),
     st.builds(Ping, small_ints),
     st.builds(GetModelInfo, small_ints),
@@ -89,22 +94,48 @@ logprobs = st.integers(0, 4).flatmap(
         st.lists(st.integers(1, 10**6), max_size=4),
     )
 )
-finished = st.builds(Finished, st.sampled_from(FinishReason), st.none() | st.integers(0, 10**6),
-                     st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6))
-request_outputs = st.builds(RequestOutput, request_ids, token_ids, st.none() | finished,
-                            st.none() | logprobs, st.none() | logprobs, st.integers(0, 16))
-model_info = st.builds(ModelInfo, text, st.integers(1, 10**6), st.integers(1, 10**6),
-                       st.lists(st.integers(0, 10**6), max_size=3))
+finished = st.builds(
+    Finished,
+    st.sampled_from(FinishReason),
+    st.none() | st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
+)
+request_outputs = st.builds(
+    RequestOutput,
+    request_ids,
+    token_ids,
+    st.none() | finished,
+    st.none() | logprobs,
+    st.none() | logprobs,
+    st.integers(0, 16),
+)
+model_info = st.builds(
+    ModelInfo,
+    text,
+    st.integers(1, 10**6),
+    st.integers(1, 10**6),
+    st.lists(st.integers(0, 10**6), max_size=3),
+)
 limits = st.builds(Limits, *[st.integers(0, 2**40)] * 6)
 server_messages = st.one_of(
-    st.builds(HelloAck, st.integers(0, 255), text, model_info, limits, st.floats(0, 1e6),
-              st.floats(0, 1e6)),
+    st.builds(
+        HelloAck,
+        st.integers(0, 255),
+        text,
+        model_info,
+        limits,
+        st.floats(0, 1e6),
+        st.floats(0, 1e6),
+    ),
     st.builds(Outputs, st.lists(request_outputs, max_size=6)),
     st.builds(Error, st.none() | request_ids, st.sampled_from(ErrorCode), text),
     st.builds(AbortAck, st.lists(text, max_size=4), st.lists(text, max_size=4)),
     st.builds(Pong, small_ints),
     st.builds(Overloaded, request_ids, text, st.integers(0, 10**6), st.integers(0, 10**6), text),
     st.builds(ModelInfoReply, small_ints, model_info, limits),
-    st.builds(HealthReply, small_ints, st.booleans(), text, st.integers(0, 10**6),
-              st.integers(0, 10**6)),
+    st.builds(
+        HealthReply, small_ints, st.booleans(), text, st.integers(0, 10**6), st.integers(0, 10**6)
+    ),
 )

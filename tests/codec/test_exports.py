@@ -6,16 +6,44 @@ import subprocess
 import sys
 import textwrap
 
-import codec
 import client
+import codec
 
 EXPECTED_CODEC = {
-    "PROTOCOL_VERSION", "DEFAULT_MAX_FRAME_BYTES", "VERSION_FRAME", "ProtocolError", "encode",
-    "encode_payload", "decode_client", "decode_server", "TokenId", "FinishReason", "ErrorCode",
-    "SamplingParams", "RequestOptions", "Hello", "Generate", "Abort", "Ping", "GetModelInfo",
-    "GetHealth", "ClientMessage", "ModelInfo", "Limits", "Logprobs", "Finished", "RequestOutput",
-    "HelloAck", "Outputs", "Error", "AbortAck", "Pong", "Overloaded", "ModelInfoReply",
-    "HealthReply", "ServerMessage",
+    "PROTOCOL_VERSION",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "VERSION_FRAME",
+    "ProtocolError",
+    "encode",
+    "encode_payload",
+    "decode_client",
+    "decode_server",
+    "TokenId",
+    "FinishReason",
+    "ErrorCode",
+    "SamplingParams",
+    "RequestOptions",
+    "Hello",
+    "Generate",
+    "Abort",
+    "Ping",
+    "GetModelInfo",
+    "GetHealth",
+    "ClientMessage",
+    "ModelInfo",
+    "Limits",
+    "Logprobs",
+    "Finished",
+    "RequestOutput",
+    "HelloAck",
+    "Outputs",
+    "Error",
+    "AbortAck",
+    "Pong",
+    "Overloaded",
+    "ModelInfoReply",
+    "HealthReply",
+    "ServerMessage",
 }
 
 
@@ -41,8 +69,12 @@ def _import_with_blocked(modules: str, blocked: list[str]) -> subprocess.Complet
                         ('vllm', 'torch', 'zmq', 'asyncio', 'uvloop'))
         print(loaded)
     """)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=str(__import__("pathlib").Path(codec.__file__).parent.parent))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=str(__import__("pathlib").Path(codec.__file__).parent.parent),
+    )
 
 
 def test_codec_imports_without_zmq_asyncio_vllm_or_torch():

@@ -44,7 +44,11 @@ def test_dumps_decode_to_the_described_messages():
     g = decode_client(generate)
     assert isinstance(g, Generate)
     assert (g.request_id, g.prompt_token_ids, g.stream) == ("req-7", [1, 300, 70000], True)
-    assert (g.sampling.temperature, g.sampling.max_tokens, g.sampling.stop_token_ids) == (0.0, 16, [2])
+    assert (g.sampling.temperature, g.sampling.max_tokens, g.sampling.stop_token_ids) == (
+        0.0,
+        16,
+        [2],
+    )
     o = decode_server(outputs)
     assert isinstance(o, Outputs)
     first, second = o.outputs

@@ -11,8 +11,8 @@ import zmq.asyncio
 
 from client import AsyncClient, FinishReason, RequestFailed, RequestOverloaded, SamplingParams
 from codec import (
-    ErrorCode,
     Error,
+    ErrorCode,
     Hello,
     Outputs,
     decode_server,
@@ -73,13 +73,18 @@ async def test_bad_frames_get_their_error_and_others_are_still_served(frames, co
 
 
 async def test_many_concurrent_requests_from_clients_sharing_request_ids():
-    async with running_gateway(FakeEngine()) as gw:
-        async with AsyncClient(gw.addresses[0]) as a, AsyncClient(gw.addresses[0]) as b:
-            async def run(client, i, max_tokens):
-                return await client.complete([i], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                             request_id=f"q{i}")
-            results = await asyncio.gather(*[run(a, i, 3) for i in range(40)],
-                                           *[run(b, i, 5) for i in range(40)])
+    async def run(client, i, max_tokens):
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return await client.complete([i], sampling, request_id=f"q{i}")
+
+    async with (
+        running_gateway(FakeEngine()) as gw,
+        AsyncClient(gw.addresses[0]) as a,
+        AsyncClient(gw.addresses[0]) as b,
+    ):
+        results = await asyncio.gather(
+            *[run(a, i, 3) for i in range(40)], *[run(b, i, 5) for i in range(40)]
+        )
     for k, done in enumerate(results):
         i, expected_len = (k, 3) if k < 40 else (k - 40, 5)
         assert done.request_id == f"q{i}"
@@ -102,9 +107,11 @@ async def test_leaving_the_loop_early_aborts_the_request_in_the_engine():
 async def test_cancelling_the_consumer_task_aborts_the_request():
     engine = FakeEngine(step_interval_s=0.005)
     async with running_gateway(engine) as gw, AsyncClient(gw.addresses[0]) as client:
+
         async def consume():
             async for _ in client.generate([1], SamplingParams(max_tokens=10_000, ignore_eos=True)):
                 pass
+
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0.05)
         task.cancel()
@@ -145,7 +152,12 @@ async def test_a_silent_client_is_expired_and_its_requests_aborted():
             ack = await recv(sock)
             assert ack.heartbeat_timeout_s == pytest.approx(0.3)
             from codec import Generate
-            await sock.send_multipart(encode(Generate("r1", [1], sampling=SamplingParams(max_tokens=10_000, ignore_eos=True))))
+
+            await sock.send_multipart(
+                encode(
+                    Generate("r1", [1], sampling=SamplingParams(max_tokens=10_000, ignore_eos=True))
+                )
+            )
             await recv(sock)
             for _ in range(200):  # never sends again: expired after 0.3 s
                 if engine.aborted:
@@ -160,11 +172,15 @@ async def test_a_silent_client_is_expired_and_its_requests_aborted():
 async def test_engine_death_ends_every_request_with_engine_dead_and_exits_nonzero():
     engine = FakeEngine(step_interval_s=0.01)
     async with running_gateway(engine) as gw, AsyncClient(gw.addresses[0]) as client:
+
         async def one(i):
             with pytest.raises(RequestFailed) as info:
-                async for _ in client.generate([i], SamplingParams(max_tokens=10_000, ignore_eos=True)):
+                async for _ in client.generate(
+                    [i], SamplingParams(max_tokens=10_000, ignore_eos=True)
+                ):
                     pass
             return info.value.code
+
         tasks = [asyncio.ensure_future(one(i)) for i in range(5)]
         await asyncio.sleep(0.1)
         engine.kill()
@@ -175,8 +191,10 @@ async def test_engine_death_ends_every_request_with_engine_dead_and_exits_nonzer
 
 async def test_drain_lets_live_requests_finish_refuses_new_ones_and_exits_zero():
     engine = FakeEngine(step_interval_s=0.005)
-    async with running_gateway(engine, drain_timeout_s=10) as gw, \
-            AsyncClient(gw.addresses[0]) as client:
+    async with (
+        running_gateway(engine, drain_timeout_s=10) as gw,
+        AsyncClient(gw.addresses[0]) as client,
+    ):
         stream = client.generate([1], SamplingParams(max_tokens=20, ignore_eos=True))
         first = await stream.__anext__()
         gw.drain()
@@ -210,12 +228,21 @@ async def test_raw_client_sees_one_terminal_per_request_under_mixed_aborts():
         sock = await raw_dealer(gw.addresses[0], b"ledger")
         ledger = TerminalLedger()
         from codec import Abort, Generate
+
         try:
             await sock.send_multipart(encode(Hello(1, "ledger", 5.0)))
             await recv(sock)
             for i in range(30):
-                await sock.send_multipart(encode(Generate(f"r{i}", [i + 1], i % 2 == 0,
-                                                          SamplingParams(max_tokens=5 + i, ignore_eos=True))))
+                await sock.send_multipart(
+                    encode(
+                        Generate(
+                            f"r{i}",
+                            [i + 1],
+                            i % 2 == 0,
+                            SamplingParams(max_tokens=5 + i, ignore_eos=True),
+                        )
+                    )
+                )
                 ledger.submitted(b"ledger", f"r{i}")
                 if i % 3 == 0:
                     await sock.send_multipart(encode(Abort([f"r{i}", f"r{i - 1}"])))

@@ -16,7 +16,6 @@ from codec import (
     HealthReply,
     Hello,
     HelloAck,
-    Outputs,
     Overloaded,
     Ping,
     Pong,
@@ -303,12 +302,21 @@ def test_drain_refuses_new_requests_and_abort_all_ends_the_rest():
 
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("generate"), st.sampled_from([A, B]), st.integers(0, 5),
-                  st.booleans(), st.integers(1, 3)),
-        st.tuples(st.just("abort"), st.sampled_from([A, B]),
-                  st.none() | st.lists(st.integers(0, 7), max_size=3)),
-        st.tuples(st.just("step"), st.lists(st.tuples(st.integers(0, 40), st.booleans()),
-                                            max_size=6)),
+        st.tuples(
+            st.just("generate"),
+            st.sampled_from([A, B]),
+            st.integers(0, 5),
+            st.booleans(),
+            st.integers(1, 3),
+        ),
+        st.tuples(
+            st.just("abort"),
+            st.sampled_from([A, B]),
+            st.none() | st.lists(st.integers(0, 7), max_size=3),
+        ),
+        st.tuples(
+            st.just("step"), st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=6)
+        ),
         st.tuples(st.just("hello"), st.sampled_from([A, B])),
         st.tuples(st.just("tick"), st.floats(0, 2)),
         st.just(("engine_dead",)),
@@ -343,8 +351,7 @@ def test_every_accepted_request_gets_exactly_one_terminal_and_nothing_after(ops)
             h.send(client_id, Abort(None if ids is None else [f"r{i}" for i in ids]))
         elif kind == "step":
             ids = engine_ids(h)
-            outs = [FakeOutput(ids[i], [i], 1 if fin else None) for i, fin in op[1]
-                    if i < len(ids)]
+            outs = [FakeOutput(ids[i], [i], 1 if fin else None) for i, fin in op[1] if i < len(ids)]
             h.step(*outs)
         elif kind == "hello":
             h.send(op[1], Hello(1, "again", 1.0))

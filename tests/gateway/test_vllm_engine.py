@@ -37,12 +37,23 @@ CASES = [
     ("greedy-300", _prompt(300), dict(temperature=0.0, max_tokens=16)),
     ("near-max-model-len", _prompt(TEST_MAX_MODEL_LEN - 6), dict(temperature=0.0)),
     ("seeded", [3, 4, 5], dict(temperature=1.0, seed=1234, max_tokens=16)),
-    ("seeded-top-k", _prompt(20), dict(temperature=0.8, top_k=20, top_p=0.9, seed=7,
-                                        max_tokens=16)),
-    ("logprobs", [9, 8, 7, 6], dict(temperature=0.0, max_tokens=8, logprobs=3,
-                                     prompt_logprobs=2)),
-    ("penalties", _prompt(16), dict(temperature=0.0, max_tokens=16, repetition_penalty=1.3,
-                                     presence_penalty=0.5, frequency_penalty=0.5)),
+    (
+        "seeded-top-k",
+        _prompt(20),
+        dict(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_tokens=16),
+    ),
+    ("logprobs", [9, 8, 7, 6], dict(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=2)),
+    (
+        "penalties",
+        _prompt(16),
+        dict(
+            temperature=0.0,
+            max_tokens=16,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+        ),
+    ),
 ]
 
 
@@ -54,13 +65,18 @@ def offline_reference() -> dict[str, dict]:
         "max_model_len": TEST_MAX_MODEL_LEN,
         "cases": [{"prompt": p, "sampling": s} for _, p, s in CASES],
     }
-    proc = subprocess.run([sys.executable, "-m", "tests.offline_reference"],
-                          input=json.dumps(spec), capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.offline_reference"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE_JSON ")), None)
     assert line is not None, proc.stderr[-3000:]
     results = json.loads(line.removeprefix("REFERENCE_JSON "))
-    return {name: result for (name, _, _), result in zip(CASES, results)}
+    return {name: result for (name, _, _), result in zip(CASES, results, strict=True)}
 
 
 @pytest.fixture
@@ -72,8 +88,8 @@ async def client(real_gateway):
 def _assert_logprobs_match(ours: Logprobs, theirs: list[dict[str, float] | None]) -> None:
     rows = [row for row in theirs if row is not None]
     assert len(ours.token_ids) == len(rows)
-    for ids, values, row in zip(ours.token_ids, ours.logprobs, rows):
-        got = dict(zip(ids, values))
+    for ids, values, row in zip(ours.token_ids, ours.logprobs, rows, strict=True):
+        got = dict(zip(ids, values, strict=True))
         assert set(map(int, row)) <= set(got)
         for token, logprob in row.items():
             assert got[int(token)] == pytest.approx(logprob, abs=1e-5)
@@ -81,8 +97,9 @@ def _assert_logprobs_match(ours: Logprobs, theirs: list[dict[str, float] | None]
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "final"])
 @pytest.mark.parametrize(("name", "prompt", "sampling"), CASES, ids=[c[0] for c in CASES])
-async def test_outputs_equal_offline_llm_generate(client, offline_reference, name, prompt,
-                                                  sampling, stream):
+async def test_outputs_equal_offline_llm_generate(
+    client, offline_reference, name, prompt, sampling, stream
+):
     expected = offline_reference[name]
     (want,) = expected["samples"]
     outs = [o async for o in client.generate(prompt, SamplingParams(**sampling), stream=stream)]
@@ -96,13 +113,18 @@ async def test_outputs_equal_offline_llm_generate(client, offline_reference, nam
     assert (finished.prompt_tokens, finished.output_tokens) == (len(prompt), len(tokens))
     if "logprobs" in sampling:
         rows = [o.logprobs for o in outs if o.logprobs is not None]
-        merged = Logprobs([r for lp in rows for r in lp.token_ids],
-                          [r for lp in rows for r in lp.logprobs], [r for lp in rows for r in lp.ranks])
+        merged = Logprobs(
+            [r for lp in rows for r in lp.token_ids],
+            [r for lp in rows for r in lp.logprobs],
+            [r for lp in rows for r in lp.ranks],
+        )
         _assert_logprobs_match(merged, want["logprobs"])
         prompt_rows = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
-        merged = Logprobs([r for lp in prompt_rows for r in lp.token_ids],
-                          [r for lp in prompt_rows for r in lp.logprobs],
-                          [r for lp in prompt_rows for r in lp.ranks])
+        merged = Logprobs(
+            [r for lp in prompt_rows for r in lp.token_ids],
+            [r for lp in prompt_rows for r in lp.logprobs],
+            [r for lp in prompt_rows for r in lp.ranks],
+        )
         _assert_logprobs_match(merged, expected["prompt_logprobs"])
         assert [ids[0] for ids in merged.token_ids] == prompt[1:]
 
@@ -117,8 +139,9 @@ async def test_seeded_sampling_gives_the_same_tokens_twice(client):
     sampling = SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True)
     first = await client.complete([5, 6, 7], sampling)
     second = await client.complete([5, 6, 7], sampling)
-    other = await client.complete([5, 6, 7], SamplingParams(temperature=1.0, seed=100,
-                                                            max_tokens=24, ignore_eos=True))
+    other = await client.complete(
+        [5, 6, 7], SamplingParams(temperature=1.0, seed=100, max_tokens=24, ignore_eos=True)
+    )
     assert first.token_ids == second.token_ids
     assert other.token_ids != first.token_ids
 
@@ -130,31 +153,35 @@ async def test_n_samples_stream_with_indexes_and_seeds_per_sample(client):
     assert [c.index for c in first] == [0, 1, 2]
     assert [c.token_ids for c in first] == [c.token_ids for c in second]
     assert len({tuple(c.token_ids) for c in first}) == 3  # seed + i per sample
-    single = await client.complete([11, 12], SamplingParams(temperature=1.0, seed=6, max_tokens=8,
-                                                            ignore_eos=True))
+    single = await client.complete(
+        [11, 12], SamplingParams(temperature=1.0, seed=6, max_tokens=8, ignore_eos=True)
+    )
     assert single.token_ids == first[1].token_ids  # sample 1 used seed 5 + 1
 
 
 @pytest.mark.parametrize("eos", TINY_EOS_TOKEN_IDS)
 async def test_each_eos_id_from_the_generation_config_stops_the_request(client, eos):
-    done = await client.complete([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=10,
-                                                           logit_bias={eos: 100.0}))
+    done = await client.complete(
+        [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0})
+    )
     assert done.token_ids == [eos]
     assert done.finish_reason is FinishReason.STOP and done.stop_reason == eos
 
 
 async def test_ignore_eos_runs_to_max_tokens(client):
-    done = await client.complete([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5,
-                                                           ignore_eos=True,
-                                                           logit_bias={2: 100.0}))
+    done = await client.complete(
+        [1, 2, 3],
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logit_bias={2: 100.0}),
+    )
     assert done.token_ids == [2] * 5 and done.finish_reason is FinishReason.LENGTH
     assert done.stop_reason is None
 
 
 async def test_min_tokens_holds_eos_back(client):
-    done = await client.complete([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=10,
-                                                           min_tokens=4,
-                                                           logit_bias={2: 100.0}))
+    done = await client.complete(
+        [1, 2, 3],
+        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4, logit_bias={2: 100.0}),
+    )
     assert len(done.token_ids) == 5 and done.token_ids[-1] == 2
     assert not set(done.token_ids[:4]) & set(TINY_EOS_TOKEN_IDS)
     assert done.finish_reason is FinishReason.STOP
@@ -162,30 +189,44 @@ async def test_min_tokens_holds_eos_back(client):
 
 async def test_stop_token_ids_stop_at_the_first_occurrence(client):
     prompt = [40, 41, 42, 43]
-    free = await client.complete(prompt, SamplingParams(temperature=0.0, max_tokens=16,
-                                                        ignore_eos=True))
+    free = await client.complete(
+        prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
     k = next(k for k in range(2, 16) if free.token_ids[k] not in free.token_ids[:k])
     stop = free.token_ids[k]
-    done = await client.complete(prompt, SamplingParams(temperature=0.0, max_tokens=16,
-                                                        ignore_eos=True, stop_token_ids=[stop]))
+    done = await client.complete(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop]),
+    )
     assert done.token_ids == free.token_ids[: k + 1]
     assert done.finish_reason is FinishReason.STOP and done.stop_reason == stop
 
 
 async def test_max_tokens_caps_the_output(client):
-    done = await client.complete([9], SamplingParams(temperature=0.0, max_tokens=3,
-                                                     ignore_eos=True))
+    done = await client.complete(
+        [9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )
     assert len(done.token_ids) == 3 and done.finish_reason is FinishReason.LENGTH
 
 
 async def test_allowed_token_ids_and_bad_words(client):
-    done = await client.complete([9], SamplingParams(temperature=0.0, max_tokens=6,
-                                                     ignore_eos=True, allowed_token_ids=[77, 78]))
+    done = await client.complete(
+        [9],
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=[77, 78]),
+    )
     assert set(done.token_ids) <= {77, 78}
-    free = await client.complete([9, 10], SamplingParams(temperature=0.0, max_tokens=4,
-                                                         ignore_eos=True))
-    banned = await client.complete([9, 10], SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True, bad_words_token_ids=[[free.token_ids[0]]]))
+    free = await client.complete(
+        [9, 10], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
+    banned = await client.complete(
+        [9, 10],
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=4,
+            ignore_eos=True,
+            bad_words_token_ids=[[free.token_ids[0]]],
+        ),
+    )
     assert banned.token_ids[0] != free.token_ids[0]
 
 
@@ -197,17 +238,24 @@ async def test_64_concurrent_requests_from_three_clients_two_sharing_request_ids
         token, count, length = plans[name]
         prefix = "c" if name == "c" else "q"  # a and b use the same request ids
         async with AsyncClient(address, name=name) as c:
+
             async def one(i: int):
-                sampling = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True,
-                                          allowed_token_ids=[token])
-                outs = [o async for o in c.generate([i + 4, 5], sampling, stream=i % 2 == 0,
-                                                    request_id=f"{prefix}{i}")]
+                sampling = SamplingParams(
+                    temperature=0.0, max_tokens=length, ignore_eos=True, allowed_token_ids=[token]
+                )
+                outs = [
+                    o
+                    async for o in c.generate(
+                        [i + 4, 5], sampling, stream=i % 2 == 0, request_id=f"{prefix}{i}"
+                    )
+                ]
                 return f"{prefix}{i}", outs
+
             return await asyncio.gather(*(one(i) for i in range(count)))
 
     results = await asyncio.gather(*(run_client(n) for n in plans))
     assert sum(len(r) for r in results) == 64
-    for name, per_client in zip(plans, results):
+    for name, per_client in zip(plans, results, strict=True):
         token, _, length = plans[name]
         for request_id, outs in per_client:
             assert all(o.request_id == request_id for o in outs)
@@ -237,16 +285,21 @@ VALIDATION = [
 ]
 
 
-@pytest.mark.parametrize(("prompt", "sampling", "options", "message"), VALIDATION,
-                         ids=[v[3][:40] for v in VALIDATION])
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "options", "message"), VALIDATION, ids=[v[3][:40] for v in VALIDATION]
+)
 async def test_each_validation_failure_gives_its_error_while_others_are_served(
-        real_gateway, client, prompt, sampling, options, message):
+    real_gateway, client, prompt, sampling, options, message
+):
     async with AsyncClient(real_gateway.addresses[0], name="bystander") as other:
-        bystander = asyncio.ensure_future(other.complete(
-            [5, 6], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
+        bystander = asyncio.ensure_future(
+            other.complete([5, 6], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        )
         with pytest.raises(RequestFailed) as info:
             await client.complete_samples(prompt, SamplingParams(**sampling), options=options)
-        expected = ErrorCode.UNSUPPORTED if options and options.lora_name else ErrorCode.INVALID_REQUEST
+        expected = (
+            ErrorCode.UNSUPPORTED if options and options.lora_name else ErrorCode.INVALID_REQUEST
+        )
         assert info.value.code is expected
         assert message in info.value.message
         assert (await bystander).output_tokens == 12
