@@ -9,6 +9,7 @@ told to finish a request with EOS at a given step.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class FakeEngine:
     _dead: bool = False
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    step_times: list[float] | None = None  # when a list: monotonic time of each step
 
     def prepare(self, engine_request_id: str, request: Generate) -> list[FakePrepared]:
         prompt = request.prompt_token_ids
@@ -123,6 +125,8 @@ class FakeEngine:
             if reason is not None:
                 del self._live[rid]
             outputs.append(FakeOutput(rid, tokens, reason, stop))
+        if self.step_times is not None:
+            self.step_times.append(time.monotonic())
         return outputs
 
     async def aclose(self) -> None:

@@ -1,0 +1,142 @@
+"""The gateway's own ceiling with the FakeEngine: no engine bounds anything here.
+
+Two measurements on a gateway subprocess (bench.fake_server):
+- throughput: one client keeps ``streams`` long requests in flight; the fake
+  engine steps as fast as the gateway can go. Reported: frames/s, output
+  tokens/s, and tokens/s per gateway core (tokens / gateway CPU seconds).
+- added latency per output frame: one request, the fake engine stepping every
+  2 ms; for each frame, client receive time minus the engine's step time
+  (both CLOCK_MONOTONIC, comparable across processes on Linux): table, encode,
+  socket, transport and client decode included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from client import AsyncClient, SamplingParams
+
+from .stats import percentile
+from .targets import _Process
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+async def _throughput(streams: int, seconds: float, profile: Path | None) -> dict:
+    address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/ceiling.sock"
+    argv = ["python", "-m", "bench.fake_server", "--bind", address]
+    if profile is not None:
+        argv += ["--profile", str(profile)]
+    import sys
+
+    argv[0] = sys.executable
+    server = _Process(argv, "fake-server.log")
+    tokens = frames = 0
+    try:
+        async with AsyncClient(address, name="ceiling", connect_timeout_s=60) as client:
+            sampling = SamplingParams(max_tokens=10**9, ignore_eos=True)
+            proc = psutil.Process(server.pid)
+            stop_at = None
+
+            async def consume(i: int) -> None:
+                nonlocal tokens, frames
+                async for out in client.generate([i + 10], sampling):
+                    tokens += len(out.new_token_ids)
+                    frames += 1
+                    if stop_at is not None and time.monotonic() >= stop_at:
+                        return
+
+            tasks = [asyncio.ensure_future(consume(i)) for i in range(streams)]
+            await asyncio.sleep(1.0)  # warm up
+            t0, tok0, cpu0 = time.monotonic(), tokens, sum(proc.cpu_times()[:2])
+            await asyncio.sleep(seconds)
+            wall = time.monotonic() - t0
+            got, cpu = tokens - tok0, sum(proc.cpu_times()[:2]) - cpu0
+            stop_at = time.monotonic()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        server.stop()
+    return {
+        "streams": streams,
+        "output_tok_s": got / wall,
+        "gateway_cpu_utilization": cpu / wall,
+        "tok_s_per_gateway_core": got / cpu if cpu else None,
+        "engine_steps_s_approx": got / streams / wall,
+    }
+
+
+async def _frame_latency(frames: int) -> dict:
+    import sys
+
+    workdir = Path(tempfile.mkdtemp(prefix="eg-"))
+    address = f"ipc://{workdir}/latency.sock"
+    times_path = workdir / "steps.txt"
+    server = _Process(
+        [
+            sys.executable,
+            "-m",
+            "bench.fake_server",
+            "--bind",
+            address,
+            "--step-interval",
+            "0.002",
+            "--step-times",
+            str(times_path),
+        ],
+        "fake-latency.log",
+    )
+    received: list[float] = []
+    try:
+        async with AsyncClient(address, name="latency", connect_timeout_s=60) as client:
+            sampling = SamplingParams(max_tokens=frames, ignore_eos=True)
+            async for _ in client.generate([10], sampling):
+                received.append(time.monotonic())
+    finally:
+        server.stop()
+    steps = [float(x) for x in times_path.read_text().split()]
+    added = [(r - s) * 1e6 for r, s in zip(received, steps, strict=False)][50:]  # skip warm-up
+    return {
+        "frames": len(added),
+        "added_us_p50": percentile(added, 0.5),
+        "added_us_p90": percentile(added, 0.9),
+        "added_us_p99": percentile(added, 0.99),
+    }
+
+
+async def measure_ceiling(quick: bool = True) -> dict:
+    """Both ceiling measurements; a pyinstrument profile when it is installed."""
+    RESULTS.mkdir(exist_ok=True)
+    profile = RESULTS / "ceiling_profile.txt"
+    has_profiler = importlib.util.find_spec("pyinstrument") is not None
+    result: dict = {"throughput": [], "latency": None, "profile": None, "errors": []}
+    for streams in [1, 256] if quick else [1, 64, 256, 1024]:
+        try:
+            row = await _throughput(
+                streams,
+                3.0 if quick else 8.0,
+                profile if (has_profiler and streams == 256) else None,
+            )
+        except Exception as exc:  # reported in the results, not hidden
+            result["errors"].append(f"throughput with {streams} streams: {exc!r}")
+            continue
+        result["throughput"].append(row)
+        print(
+            f"  ceiling streams={streams:<5} {row['output_tok_s']:9.0f} tok/s  "
+            f"{row['tok_s_per_gateway_core'] or 0:9.0f} tok/s per gateway core",
+            flush=True,
+        )
+    result["latency"] = await _frame_latency(500 if quick else 3000)
+    print(
+        f"  ceiling added latency per frame: p50 {result['latency']['added_us_p50']:.0f} us  "
+        f"p99 {result['latency']['added_us_p99']:.0f} us",
+        flush=True,
+    )
+    if has_profiler and profile.exists():
+        result["profile"] = str(profile.relative_to(RESULTS.parent.parent))
+    return result

@@ -1,0 +1,153 @@
+"""Markdown table and PNG plots from a results dict (bench/results/<name>.*)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _f(value: float | None, fmt: str = ".1f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "–" if not value or not base else f"{value / base:.2f}x"
+
+
+def write_report(results: dict, stem: Path) -> str:
+    """Write <stem>.md and plots; return the markdown."""
+    rows = [r for r in results["rows"] if r["mode"] == "closed"]
+    direct = {r["concurrency"]: r for r in rows if r["target"] == "direct"}
+    lines = [
+        f"# Benchmark `{results['name']}` ({results['when']})",
+        "",
+        f"Versions: {', '.join(f'{k} {v}' for k, v in results['versions'].items())}.",
+        f"Settings: {results['settings']}.",
+        "",
+        "Closed loop; ratios are against the direct engine client at the same concurrency, in "
+        "the same run. Frontend CPU: the gateway process, vLLM's API server process, or the "
+        "benchmark process for the direct client (engine processes excluded).",
+        "",
+        "| target | conc | output tok/s | vs direct | req/s | TTFT p50 / p99 ms | "
+        "ITL p50 / p99 ms | E2E p50 ms | CPU s / 1k tok | CPU vs direct | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["target"])):
+        d = direct.get(r["concurrency"], {})
+        lines.append(
+            f"| {r['target']} | {r['concurrency']} | {_f(r['output_tok_s'], '.0f')} | "
+            f"{_ratio(r['output_tok_s'], d.get('output_tok_s'))} | {_f(r['req_s'], '.2f')} | "
+            f"{_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} | "
+            f"{_f(r['itl_ms']['p50'], '.2f')} / {_f(r['itl_ms']['p99'], '.2f')} | "
+            f"{_f(r['e2e_ms']['p50'], '.0f')} | {_f(r['cpu_s_per_1k_tokens'], '.4f')} | "
+            f"{_ratio(r['cpu_s_per_1k_tokens'], d.get('cpu_s_per_1k_tokens'))} | {r['errors']} |"
+        )
+    poisson = [r for r in results["rows"] if r["mode"] == "poisson"]
+    if poisson:
+        lines += [
+            "",
+            "Open loop (Poisson arrivals):",
+            "",
+            "| target | rate req/s | output tok/s | TTFT p50 / p99 ms | E2E p50 ms | "
+            "CPU s / 1k tok |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in sorted(poisson, key=lambda r: (r["rate"], r["target"])):
+            lines.append(
+                f"| {r['target']} | {r['rate']} | {_f(r['output_tok_s'], '.0f')} | "
+                f"{_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} | "
+                f"{_f(r['e2e_ms']['p50'], '.0f')} | {_f(r['cpu_s_per_1k_tokens'], '.4f')} |"
+            )
+    ceiling = results.get("ceiling")
+    if ceiling:
+        lines += [
+            "",
+            "Gateway ceiling with the fake engine (no engine cost):",
+            "",
+            "| streams | output tok/s | gateway CPU util | tok/s per gateway core |",
+            "|---|---|---|---|",
+        ]
+        for c in ceiling["throughput"]:
+            lines.append(
+                f"| {c['streams']} | {_f(c['output_tok_s'], '.0f')} | "
+                f"{_f(c['gateway_cpu_utilization'], '.2f')} | "
+                f"{_f(c['tok_s_per_gateway_core'], '.0f')} |"
+            )
+        lat = ceiling.get("latency")
+        if lat:
+            lines += [
+                "",
+                f"Added latency per output frame (engine step → client decoded), "
+                f"{lat['frames']} frames: p50 {_f(lat['added_us_p50'], '.0f')} µs, "
+                f"p90 {_f(lat['added_us_p90'], '.0f')} µs, "
+                f"p99 {_f(lat['added_us_p99'], '.0f')} µs.",
+            ]
+        for error in ceiling.get("errors", []):
+            lines.append(f"\nCeiling error: {error}")
+    plots = _plots(results, stem)
+    if plots:
+        lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
+    md = "\n".join(lines) + "\n"
+    stem.with_suffix(".md").write_text(md)
+    return md
+
+
+def _plots(results: dict, stem: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rows = [r for r in results["rows"] if r["mode"] == "closed"]
+    targets = sorted({r["target"] for r in rows})
+    out = []
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    for t in targets:
+        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows if r["target"] == t)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=t)
+    ax.set_xscale("log", base=2)
+    ax.set(title="Output throughput", xlabel="concurrency", ylabel="tokens/s")
+    ax.legend()
+    ax = axes[1]
+    top = max((r["concurrency"] for r in rows), default=1)
+    for t in targets:
+        for r in rows:
+            if r["target"] == t and r["concurrency"] == top and r["ttft_samples_ms"]:
+                xs = sorted(r["ttft_samples_ms"])
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=t)
+    ax.set(title=f"TTFT CDF at concurrency {top}", xlabel="ms", ylabel="fraction")
+    ax.legend()
+    ax = axes[2]
+    concs = sorted({r["concurrency"] for r in rows})
+    width = 0.8 / max(len(targets), 1)
+    for i, t in enumerate(targets):
+        vals = [
+            next(
+                (
+                    r["cpu_s_per_1k_tokens"] or 0
+                    for r in rows
+                    if r["target"] == t and r["concurrency"] == c
+                ),
+                0,
+            )
+            for c in concs
+        ]
+        ax.bar([j + i * width for j in range(len(concs))], vals, width, label=t)
+    ax.set_xticks(
+        [j + width * (len(targets) - 1) / 2 for j in range(len(concs))], [str(c) for c in concs]
+    )
+    ax.set(
+        title="Frontend CPU seconds per 1k output tokens",
+        xlabel="concurrency",
+        ylabel="CPU s / 1k tokens",
+    )
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "_plots.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    out.append(path)
+    return out

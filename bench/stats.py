@@ -1,0 +1,49 @@
+"""Summaries of a run: throughput, latency percentiles, frontend CPU per 1k tokens."""
+
+from __future__ import annotations
+
+import statistics
+
+from .workload import RunResult
+
+__all__ = ["percentile", "summarize"]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    return {
+        f"p{int(q * 100)}": (None if (v := percentile(values, q)) is None else v * 1e3)
+        for q in (0.5, 0.9, 0.99)
+    }
+
+
+def summarize(run: RunResult, cpu_s: float | None) -> dict:
+    """One row of results; ``cpu_s`` is the frontend process's CPU time during the run."""
+    ok = [r for r in run.records if r.error is None and r.end is not None]
+    tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [x for r in ok for x in r.itls]
+    e2e = [r.end - r.start for r in ok]
+    return {
+        "requests": len(run.records),
+        "errors": len(run.records) - len(ok),
+        "output_tokens": tokens,
+        "wall_s": run.wall_s,
+        "output_tok_s": tokens / run.wall_s if run.wall_s else 0.0,
+        "req_s": len(ok) / run.wall_s if run.wall_s else 0.0,
+        "ttft_ms": _ms(ttft),
+        "itl_ms": _ms(itl),
+        "e2e_ms": _ms(e2e),
+        "e2e_mean_ms": statistics.fmean(e2e) * 1e3 if e2e else None,
+        "frontend_cpu_s": cpu_s,
+        "cpu_s_per_1k_tokens": (cpu_s / tokens * 1000) if (cpu_s is not None and tokens) else None,
+        "ttft_samples_ms": [x * 1e3 for x in ttft],
+    }

@@ -1,0 +1,324 @@
+"""Benchmark targets: each starts its frontend, streams requests, reports frontend CPU.
+
+All targets serve the same model with the same engine flags. "Frontend CPU" is the
+gateway process, or vLLM's API server process (engine-core processes excluded),
+or, for the direct client, the benchmark process itself (as in shared/ANCHORS.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from client import AsyncClient, SamplingParams
+
+from .workload import RequestRecord
+
+__all__ = ["ENGINE_FLAGS", "GatewayServer", "GatewayTarget", "HttpTarget", "DirectTarget"]
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 2048
+ENGINE_FLAGS = [
+    "--enforce-eager",
+    "--gpu-memory-utilization",
+    "0.2",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--skip-tokenizer-init",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class _Process:
+    """A server subprocess whose log goes to a file; always stopped."""
+
+    def __init__(self, argv: list[str], log_name: str):
+        self.log_path = Path(tempfile.mkdtemp(prefix="eg-bench-")) / log_name
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tail(self) -> str:
+        return self.log_path.read_text()[-3000:]
+
+    def stop(self, timeout: float = 60) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stray engine processes
+        self._log.close()
+
+
+class GatewayServer:
+    """`python -m gateway serve` on the tiny model, bound to ipc:// and tcp:// at once."""
+
+    def __init__(self, model: str):
+        self.ipc = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/bench.sock"
+        self.tcp = f"tcp://127.0.0.1:{_free_port()}"
+        self.process = _Process(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                model,
+                "--bind",
+                self.ipc,
+                "--bind",
+                self.tcp,
+                "--max-in-flight-per-client",
+                "100000",
+                "--max-in-flight-total",
+                "100000",
+                *ENGINE_FLAGS,
+            ],
+            "gateway.log",
+        )
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class GatewayTarget:
+    """engine-gateway over one transport, driven by the client library."""
+
+    def __init__(self, server: GatewayServer, transport: str):
+        self.name = f"gateway-{transport}"
+        self.server = server
+        self.address = server.ipc if transport == "ipc" else server.tcp
+        self._client: AsyncClient | None = None
+
+    async def start(self) -> None:
+        self._client = AsyncClient(
+            self.address, name="bench", connect_timeout_s=300, heartbeat_interval_s=5.0
+        )
+        try:
+            await self._client.connect()
+        except Exception as exc:
+            raise RuntimeError(f"gateway did not start:\n{self.server.process.tail()}") from exc
+
+    def frontend_cpu_s(self) -> float:
+        return _cpu_seconds(self.server.process.pid)
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
+        assert self._client is not None
+        record = RequestRecord(start=time.monotonic())
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        try:
+            async for out in self._client.generate(prompt, sampling):
+                now = time.monotonic()
+                if out.new_token_ids:
+                    if record.first_token is None:
+                        record.first_token = now
+                    record.token_times.append(now)
+                    record.output_tokens += len(out.new_token_ids)
+        except Exception as exc:  # counted, not raised: a benchmark reports errors
+            record.error = repr(exc)
+        record.end = time.monotonic()
+        return record
+
+    async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+class HttpTarget:
+    """vLLM's tokens-in/tokens-out endpoint (`vllm serve --tokens-only`), SSE streaming."""
+
+    name = "vllm-http"
+
+    def __init__(self, model: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/inference/v1/generate"
+        self.process = _Process(
+            [
+                sys.executable,
+                "-m",
+                "bench.vllm_cli",
+                "serve",
+                model,
+                "--tokens-only",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--disable-log-stats",
+                "--uvicorn-log-level",
+                "warning",
+                *ENGINE_FLAGS,
+            ],
+            "vllm-serve.log",
+        )
+        self._session: Any = None
+
+    async def start(self) -> None:
+        import aiohttp
+
+        # Keep-alive below uvicorn's 5 s, or reused connections fail (shared/ANCHORS.md).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.proc.poll() is not None:
+                break
+            with contextlib.suppress(aiohttp.ClientError):
+                async with self._session.get(f"http://127.0.0.1:{self.port}/health") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(1)
+        raise RuntimeError(f"vllm serve did not start:\n{self.process.tail()}")
+
+    def frontend_cpu_s(self) -> float:
+        return _cpu_seconds(self.process.pid)
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
+        record = RequestRecord(start=time.monotonic())
+        body = {
+            "token_ids": prompt,
+            "stream": True,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "detokenize": False,
+            },
+        }
+        try:
+            async with self._session.post(self.url, json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
+                    if n:
+                        now = time.monotonic()
+                        if record.first_token is None:
+                            record.first_token = now
+                        record.token_times.append(now)
+                        record.output_tokens += n
+        except Exception as exc:
+            record.error = repr(exc)
+        record.end = time.monotonic()
+        return record
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self.process.stop()
+
+
+class DirectTarget:
+    """vLLM's async engine-core client in this process: the floor, with no transport."""
+
+    name = "direct"
+
+    def __init__(self, model: str):
+        self.model = model
+        self._engine: Any = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self._ids = 0
+
+    async def start(self) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from gateway.vllm_engine import VllmEngine, default_engine_args
+
+        args = default_engine_args(
+            self.model, enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=MAX_MODEL_LEN
+        )
+        self._engine = await VllmEngine.start(args)
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            for out in await self._engine.get_output():
+                queue = self._streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    def frontend_cpu_s(self) -> float:
+        return _cpu_seconds(os.getpid())
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
+        from codec import Generate
+
+        self._ids += 1
+        rid = f"d{self._ids}"
+        record = RequestRecord(start=time.monotonic())
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        try:
+            await self._engine.add_requests(
+                self._engine.prepare(rid, Generate(rid, prompt, True, sampling))
+            )
+            while True:
+                out = await queue.get()
+                now = time.monotonic()
+                if out.new_token_ids:
+                    if record.first_token is None:
+                        record.first_token = now
+                    record.token_times.append(now)
+                    record.output_tokens += len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    break
+        finally:
+            del self._streams[rid]
+        record.end = time.monotonic()
+        return record
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        if self._engine is not None:
+            await self._engine.aclose()

@@ -1,0 +1,101 @@
+"""Workloads and load loops: closed-loop concurrency and open-loop Poisson arrivals.
+
+Rule: a target is anything with ``async stream(prompt, max_tokens) -> RequestRecord``;
+the loops here know nothing of transports. Every run is seeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+__all__ = ["Workload", "RequestRecord", "RunResult", "closed_loop", "open_loop"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompt and output lengths (fixed, or uniform in [lo, hi]) and the vocabulary to draw from."""
+
+    prompt_len: tuple[int, int] = (64, 64)
+    output_len: tuple[int, int] = (64, 64)
+    vocab_size: int = 512
+    seed: int = 0
+
+    def requests(self, count: int, salt: int = 0) -> list[tuple[list[int], int]]:
+        rng = random.Random(self.seed * 1_000_003 + salt)
+        out = []
+        for _ in range(count):
+            plen = rng.randint(*self.prompt_len)
+            prompt = [rng.randrange(4, self.vocab_size) for _ in range(plen)]
+            out.append((prompt, rng.randint(*self.output_len)))
+        return out
+
+
+@dataclass
+class RequestRecord:
+    """Client-side timings of one request (monotonic seconds)."""
+
+    start: float
+    first_token: float | None = None
+    end: float | None = None
+    output_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)  # arrival time of each frame's tokens
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    wall_s: float
+
+
+Stream = Callable[[list[int], int], Awaitable[RequestRecord]]
+
+
+async def closed_loop(
+    stream: Stream, requests: list[tuple[list[int], int]], concurrency: int
+) -> RunResult:
+    """Keep ``concurrency`` requests in flight until all ``requests`` are done."""
+    queue = list(reversed(requests))
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while queue:
+            prompt, max_tokens = queue.pop()
+            records.append(await stream(prompt, max_tokens))
+
+    start = time.monotonic()
+    async with asyncio.TaskGroup() as tasks:
+        for _ in range(min(concurrency, len(requests))):
+            tasks.create_task(worker())
+    return RunResult(records, time.monotonic() - start)
+
+
+async def open_loop(
+    stream: Stream, requests: list[tuple[list[int], int]], rate: float, seed: int = 0
+) -> RunResult:
+    """Start requests at Poisson arrivals of ``rate`` per second, whatever is in flight."""
+    rng = random.Random(seed)
+    records: list[RequestRecord] = []
+
+    async def one(prompt: list[int], max_tokens: int) -> None:
+        records.append(await stream(prompt, max_tokens))
+
+    start = time.monotonic()
+    async with asyncio.TaskGroup() as tasks:
+        for prompt, max_tokens in requests:
+            tasks.create_task(one(prompt, max_tokens))
+            await asyncio.sleep(rng.expovariate(rate))
+    return RunResult(records, time.monotonic() - start)

@@ -1,0 +1,325 @@
+"""Aborts, disconnects, engine failure and drain, against the real CPU engine.
+
+In every test each accepted request gets exactly one terminal output and nothing
+after it (checked with TerminalLedger on raw sockets, or by the client library,
+which raises on a second terminal never and ends a stream at its terminal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+import zmq.asyncio
+
+from client import AsyncClient, FinishReason, RequestFailed, SamplingParams
+from codec import Abort, AbortAck, ErrorCode, Generate, Hello, Outputs, decode_server, encode
+from gateway.server import EXIT_ENGINE_DEAD
+from tests.conftest import TEST_MAX_MODEL_LEN, ipc_address
+from tests.helpers import TerminalLedger
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[2]
+LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
+
+
+async def wait_engine_idle(engine, timeout: float = 5.0) -> float:
+    """Poll vLLM's scheduler until it holds no request; returns the seconds it took."""
+    start = time.monotonic()
+    async with asyncio.timeout(timeout):
+        while await engine.has_unfinished_requests():
+            await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+class RawClient:
+    """A DEALER speaking the protocol by hand, recording every frame in a ledger."""
+
+    def __init__(self, address: str, identity: bytes):
+        self.identity = identity
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.ledger = TerminalLedger()
+
+    async def send(self, msg) -> None:
+        await self.sock.send_multipart(encode(msg))
+
+    async def recv(self, timeout: float = 10.0):
+        async with asyncio.timeout(timeout):
+            msg = decode_server(await self.sock.recv_multipart())
+        self.ledger.observe(self.identity, msg)
+        return msg
+
+    async def generate(self, request_id: str, prompt: list[int], sampling=LONG, stream=True):
+        await self.send(Generate(request_id, prompt, stream, sampling))
+        self.ledger.submitted(self.identity, request_id)
+
+    async def recv_until(self, predicate, timeout: float = 20.0):
+        async with asyncio.timeout(timeout):
+            while True:
+                msg = await self.recv()
+                if predicate(msg):
+                    return msg
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+async def raw(real_gateway):
+    client = RawClient(real_gateway.addresses[0], b"raw-" + os.urandom(4).hex().encode())
+    await client.send(Hello(1, "raw", 5.0))
+    await client.recv()
+    yield client
+    client.close()
+
+
+async def test_abort_mid_stream_returns_partial_tokens_and_frees_the_engine(
+    raw, real_gateway, vllm_engine
+):
+    await raw.generate("long", [5, 6, 7])
+    for _ in range(5):
+        await raw.recv()
+    await raw.send(Abort(["long"]))
+    ack = await raw.recv_until(lambda m: isinstance(m, AbortAck))
+    assert ack == AbortAck(["long"], [])
+    raw.ledger.assert_complete()
+    (instance,) = raw.ledger.finished
+    tokens = raw.ledger.tokens[(raw.identity, "long", 0)]
+    assert 5 <= len(tokens) < LONG.max_tokens
+    await wait_engine_idle(vllm_engine)
+    # A following request runs at once: nothing is left in the engine ahead of it.
+    await raw.generate("next", [5], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    done = await raw.recv_until(lambda m: isinstance(m, Outputs) and m.outputs[-1].finished)
+    assert done.outputs[-1].finished.finish_reason is FinishReason.LENGTH
+    raw.ledger.assert_complete()
+
+
+async def test_abort_right_after_generate_ends_with_abort_and_consistent_counts(raw, vllm_engine):
+    await raw.generate("quick", [9, 9, 9], stream=False)
+    await raw.send(Abort(["quick"]))
+    terminal = await raw.recv_until(lambda m: isinstance(m, Outputs))
+    (out,) = terminal.outputs
+    assert out.finished.finish_reason is FinishReason.ABORT
+    assert out.finished.output_tokens == len(out.new_token_ids)  # partial tokens, all of them
+    assert await raw.recv() == AbortAck(["quick"], [])
+    raw.ledger.assert_complete()
+    await wait_engine_idle(vllm_engine)
+
+
+async def test_abort_of_a_list_of_all_twice_and_of_unknown_ids(raw, vllm_engine):
+    for i in range(4):
+        await raw.generate(f"r{i}", [10 + i])
+    for _ in range(4):  # let every request stream something
+        await raw.recv()
+    await raw.send(Abort(["r0", "r1", "ghost"]))
+    ack = await raw.recv_until(lambda m: isinstance(m, AbortAck))
+    assert ack == AbortAck(["r0", "r1"], ["ghost"])
+    await raw.send(Abort(["r0"]))  # idempotent
+    ack = await raw.recv_until(lambda m: isinstance(m, AbortAck))
+    assert ack == AbortAck([], ["r0"])
+    await raw.send(Abort(None))
+    ack = await raw.recv_until(lambda m: isinstance(m, AbortAck))
+    assert sorted(ack.aborted) == ["r2", "r3"] and ack.unknown == []
+    raw.ledger.assert_complete()
+    await wait_engine_idle(vllm_engine)
+    # Nothing more arrives for any of them.
+    with pytest.raises(TimeoutError):
+        await raw.recv(timeout=0.3)
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    from client import AsyncClient, SamplingParams
+
+    async def main(address, identity):
+        async with AsyncClient(address, name="doomed", heartbeat_interval_s=0.2,
+                               identity=identity.encode()) as c:
+            sampling = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
+            streams = [c.generate([i + 3, 4], sampling) for i in range(3)]
+            for s in streams:
+                await s.__anext__()
+            print("streaming", flush=True)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+async def test_a_killed_client_has_its_requests_aborted_within_the_heartbeat_timeout(
+    real_gateway, vllm_engine
+):
+    address = real_gateway.addresses[0]
+    script = CLIENT_SCRIPT.format(max_tokens=TEST_MAX_MODEL_LEN - 8)
+    identity = f"doomed-{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, address, identity],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        async with AsyncClient(address, name="bystander") as other:
+            bystander = asyncio.ensure_future(
+                other.complete(
+                    [8, 8], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+                )
+            )
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+            assert line.strip() == "streaming"
+            table = real_gateway.table
+            assert len(table.client_request_ids(identity.encode())) == 3
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            waited = await wait_client_gone(table, identity.encode(), timeout=5.0)
+            assert waited < 0.6 + 1.0  # heartbeat timeout (3 x 0.2 s) plus housekeeping slack
+            result = await bystander
+            assert result.output_tokens == 200 and result.finish_reason is FinishReason.LENGTH
+        await wait_engine_idle(vllm_engine)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_client_gone(table, client_id: bytes, timeout: float) -> float:
+    """Wait until the gateway has ended every request of ``client_id``."""
+    start = time.monotonic()
+    async with asyncio.timeout(timeout):
+        while table.client_request_ids(client_id):
+            await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+# ---------------------------------------------------------------- whole-process tests
+
+
+class GatewayProcess:
+    """`python -m gateway serve` on the tiny model in a subprocess, with its own engine."""
+
+    def __init__(self, *extra: str):
+        self.address = ipc_address("proc")
+        self.log = open(Path(self.address.removeprefix("ipc://")).with_suffix(".log"), "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--bind",
+                self.address,
+                "--max-model-len",
+                str(TEST_MAX_MODEL_LEN),
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def engine_core_pids(self) -> list[int]:
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        return [c.pid for c in children if "EngineCore" in " ".join(c.cmdline() + [c.name()])]
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            orphans = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+            self.proc.kill()
+            self.proc.wait()
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.log.close()
+
+
+@pytest.fixture
+def gateway_process():
+    processes: list[GatewayProcess] = []
+
+    def start(*extra: str) -> GatewayProcess:
+        processes.append(GatewayProcess(*extra))
+        return processes[-1]
+
+    yield start
+    for p in processes:
+        p.stop()
+
+
+async def test_sigterm_drains_in_flight_requests_then_exits_zero(gateway_process):
+    gw = gateway_process("--drain-timeout", "60")
+    async with AsyncClient(gw.address, name="drain", connect_timeout_s=240) as client:
+        sampling = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        streams = [client.generate([i + 5], sampling, stream=i % 2 == 0) for i in range(4)]
+        live = [asyncio.ensure_future(collect(s)) for s in streams]
+        while (await client.health()).live_requests < 4:
+            await asyncio.sleep(0.01)
+        gw.proc.send_signal(signal.SIGTERM)
+        while (await client.health()).state != "draining":
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestFailed) as info:
+            await client.complete([1])
+        assert info.value.code is ErrorCode.DRAINING
+        for tokens, reason in await asyncio.gather(*live):
+            assert len(tokens) == 48 and reason is FinishReason.LENGTH
+    assert await asyncio.to_thread(gw.proc.wait, 60) == 0, gw.output()[-3000:]
+
+
+async def collect(stream) -> tuple[list[int], FinishReason]:
+    tokens: list[int] = []
+    terminals = 0
+    reason = None
+    async for out in stream:
+        assert terminals == 0, "output after the terminal"
+        tokens.extend(out.new_token_ids)
+        if out.finished:
+            terminals += 1
+            reason = out.finished.finish_reason
+    assert terminals == 1
+    return tokens, reason
+
+
+async def test_killed_engine_ends_every_request_with_engine_dead_and_gateway_exits_3(
+    gateway_process,
+):
+    gw = gateway_process()
+    async with AsyncClient(gw.address, name="victim", connect_timeout_s=240) as client:
+        sampling = SamplingParams(
+            temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True
+        )
+
+        async def one(i: int) -> ErrorCode:
+            with pytest.raises(RequestFailed) as info:
+                async for _ in client.generate([i + 3], sampling):
+                    pass
+            return info.value.code
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(3)]
+        while (await client.health()).live_requests < 3:
+            await asyncio.sleep(0.01)
+        pids = gw.engine_core_pids()
+        assert pids, gw.output()[-2000:]
+        killed_at = time.monotonic()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            codes = await asyncio.gather(*tasks)
+        assert codes == [ErrorCode.ENGINE_DEAD] * 3
+        assert time.monotonic() - killed_at < 30
+    code = await asyncio.to_thread(gw.proc.wait, 60)
+    assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
