@@ -109,6 +109,75 @@ async def _frame_latency(frames: int) -> dict:
     }
 
 
+async def _transport_baseline(frames: int) -> dict:
+    """One-way latency of a bare ROUTER → DEALER frame, same cadence and client loop."""
+    import struct
+    import sys
+
+    import zmq
+    import zmq.asyncio
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/baseline.sock"
+    server = _Process([sys.executable, "-m", "bench.zmq_baseline", "--bind", address,
+                       "--frames", str(frames), "--interval", "0.002"], "zmq-baseline.log")
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    latencies = []
+    try:
+        sock.connect(address)
+        await sock.send(b"hello")
+        async with asyncio.timeout(60):
+            for _ in range(frames):
+                (frame,) = await sock.recv_multipart()
+                latencies.append((time.monotonic() - struct.unpack("<d", frame)[0]) * 1e6)
+    finally:
+        sock.close()
+        server.stop()
+    latencies = latencies[50:]
+    return {"frames": len(latencies), "one_way_us_p50": percentile(latencies, 0.5),
+            "one_way_us_p99": percentile(latencies, 0.99)}
+
+
+def _processing_time(iterations: int = 20000) -> dict:
+    """Gateway work per output frame, in process: table.on_step, encode, non-blocking send."""
+    import timeit
+
+    import zmq
+
+    from codec import VERSION_FRAME, Generate, Hello
+    from codec.framing import encode_payload
+    from gateway.engine import EngineInfo
+    from gateway.fake_engine import FakeEngine, FakeOutput
+    from gateway.sessions import SessionTable
+
+    info = EngineInfo("fake", 1 << 20, 50_000, (2,), 20, 1 << 16)
+    engine = FakeEngine(info=info)
+    table = SessionTable(info, engine.prepare)
+    table.on_message(b"c", Hello(1), 0.0)
+    table.on_message(b"c", Generate("r1", [10], True, SamplingParams(max_tokens=10**9)), 0.0)
+    (engine_id,) = table.live_engine_request_ids()
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    dealer.setsockopt(zmq.ROUTING_ID, b"c")
+    dealer.setsockopt(zmq.RCVHWM, 0)
+    router.bind("inproc://processing")
+    dealer.connect("inproc://processing")
+    dealer.send(b"hi")
+    router.recv_multipart()
+    step = [FakeOutput(engine_id, [1234])]
+
+    def one_frame() -> None:
+        for client_id, msg in table.on_step(step):
+            router.send_multipart([client_id, VERSION_FRAME, encode_payload(msg)], zmq.NOBLOCK)
+
+    per_frame = min(timeit.repeat(one_frame, number=iterations, repeat=5)) / iterations * 1e6
+    router.close(0)
+    dealer.close(0)
+    ctx.term()
+    return {"us_per_frame": per_frame}
+
+
 async def measure_ceiling(quick: bool = True) -> dict:
     """Both ceiling measurements; a pyinstrument profile when it is installed."""
     RESULTS.mkdir(exist_ok=True)

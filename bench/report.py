@@ -74,12 +74,21 @@ def write_report(results: dict, stem: Path) -> str:
             )
         lat = ceiling.get("latency")
         if lat:
+            base = lat.get("transport_baseline") or {}
+            proc = lat.get("processing") or {}
             lines += [
                 "",
-                f"Added latency per output frame (engine step → client decoded), "
-                f"{lat['frames']} frames: p50 {_f(lat['added_us_p50'], '.0f')} µs, "
-                f"p90 {_f(lat['added_us_p90'], '.0f')} µs, "
-                f"p99 {_f(lat['added_us_p99'], '.0f')} µs.",
+                "Latency per output frame (fake engine stepping every 2 ms, one stream, ipc):",
+                "",
+                "| measure | p50 µs | p99 µs |",
+                "|---|---|---|",
+                "| engine step → AsyncClient consumer (gateway + ZeroMQ + client library) | "
+                f"{_f(lat['added_us_p50'], '.0f')} | {_f(lat['added_us_p99'], '.0f')} |",
+                "| bare pyzmq ROUTER → DEALER one-way, same cadence (transport floor) | "
+                f"{_f(base.get('one_way_us_p50'), '.0f')} | "
+                f"{_f(base.get('one_way_us_p99'), '.0f')} |",
+                "| gateway processing per frame (on_step + encode + send), in process | "
+                f"{_f(proc.get('us_per_frame'), '.1f')} | – |",
             ]
         for error in ceiling.get("errors", []):
             lines.append(f"\nCeiling error: {error}")

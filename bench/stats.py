@@ -43,6 +43,8 @@ def summarize(run: RunResult, cpu_s: float | None) -> dict:
         "itl_ms": _ms(itl),
         "e2e_ms": _ms(e2e),
         "e2e_mean_ms": statistics.fmean(e2e) * 1e3 if e2e else None,
+        # Below output_tokens/requests when a frontend merges deltas (a starved server does).
+        "frames_per_request": statistics.fmean(len(r.token_times) for r in ok) if ok else None,
         "frontend_cpu_s": cpu_s,
         "cpu_s_per_1k_tokens": (cpu_s / tokens * 1000) if (cpu_s is not None and tokens) else None,
         "ttft_samples_ms": [x * 1e3 for x in ttft],

@@ -214,6 +214,9 @@ class Limits(msgspec.Struct, frozen=True, gc=False):
     max_frame_bytes: int
     max_abort_ids: int
     max_logprobs: int
+    max_queued_requests: int = 0
+    max_request_rate_per_client: float = 0.0  # 0: unlimited
+    client_send_hwm: int = 0
 
 
 class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):

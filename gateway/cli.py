@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from .sessions import GatewayLimits
 
@@ -84,6 +85,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds live requests may run on after SIGTERM",
     )
     g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="samples beyond the engine's max_num_seqs before Overloaded",
+    )
+    g.add_argument(
+        "--max-request-rate-per-client",
+        type=float,
+        default=defaults.max_request_rate_per_client,
+        help="Generates per second per client (token bucket); 0 = unlimited",
+    )
+    g.add_argument("--request-rate-burst", type=int, default=defaults.request_rate_burst)
+    g.add_argument(
+        "--client-send-hwm",
+        type=int,
+        default=defaults.client_send_hwm,
+        help="frames queued to one client before it counts as not reading",
+    )
+    g.add_argument(
+        "--curve-secret-key",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="enable CURVE: the server's secret certificate (zmq.auth format)",
+    )
+    g.add_argument(
+        "--curve-allow-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --curve-secret-key: directory of allowed client public keys",
+    )
+    g.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
+    )
+    g.add_argument("--metrics-host", default="127.0.0.1")
+    g.add_argument(
         "--lora-module",
         action="append",
         type=_lora_module,
@@ -113,6 +151,16 @@ def _tiny_model_defaults(args: argparse.Namespace, argv: list[str]) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def _curve_config(args: argparse.Namespace):  # noqa: ANN202 - CurveConfig | None
+    if args.curve_secret_key is None and args.curve_allow_dir is None:
+        return None
+    if args.curve_secret_key is None or args.curve_allow_dir is None:
+        raise SystemExit("--curve-secret-key and --curve-allow-dir go together")
+    from .auth import CurveConfig
+
+    return CurveConfig(args.curve_secret_key, args.curve_allow_dir)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from .server import Gateway
     from .vllm_engine import VllmEngine, engine_args_from_namespace
@@ -123,6 +171,10 @@ async def _serve(args: argparse.Namespace) -> int:
         max_in_flight_per_client=args.max_in_flight_per_client,
         max_in_flight_total=args.max_in_flight_total,
         max_abort_ids=args.max_abort_ids,
+        max_queued_requests=args.max_queued_requests,
+        max_request_rate_per_client=args.max_request_rate_per_client,
+        request_rate_burst=args.request_rate_burst,
+        client_send_hwm=args.client_send_hwm,
         default_heartbeat_interval_s=args.heartbeat_interval,
     )
     engine = await VllmEngine.start(engine_args_from_namespace(args), dict(args.lora_module))
@@ -133,7 +185,12 @@ async def _serve(args: argparse.Namespace) -> int:
             limits,
             drain_timeout_s=args.drain_timeout,
             gateway_version=gateway_version(),
+            curve=_curve_config(args),
         )
+        if args.metrics_port is not None:
+            from .metrics import start_metrics_server
+
+            start_metrics_server(gateway, args.metrics_port, args.metrics_host)
         loop = asyncio.get_running_loop()
         interrupts = 0
 

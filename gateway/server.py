@@ -11,6 +11,7 @@ a frame is handled by the table, never waited for.
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import logging
 import time
@@ -19,11 +20,13 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from codec import VERSION_FRAME, ProtocolError, ServerMessage, decode_client
+from codec import VERSION_FRAME, Error, ErrorCode, ProtocolError, ServerMessage, decode_client
 from codec.framing import encode_payload
 
+from .auth import CurveConfig
 from .engine import Engine
 from .errors import EngineDead
+from .metrics import StepHistogram
 from .sessions import Effects, GatewayLimits, SessionTable
 
 __all__ = ["Gateway", "EXIT_OK", "EXIT_ENGINE_DEAD"]
@@ -36,6 +39,7 @@ _HOUSEKEEPING_S = 0.1
 # zmq drops (and disconnects) peers whose messages exceed this; the protocol
 # limit (max_frame_bytes) is checked ourselves, below this, to answer an Error.
 _HARD_MESSAGE_FACTOR = 4
+_BACKLOG_LIMIT = 100_000  # frames held for one slow consumer, at most
 
 
 class Gateway:
@@ -50,6 +54,7 @@ class Gateway:
         drain_timeout_s: float = 30.0,
         gateway_version: str = "0",
         context: zmq.asyncio.Context | None = None,
+        curve: CurveConfig | None = None,
     ):
         self.engine = engine
         self.limits = limits
@@ -65,8 +70,13 @@ class Gateway:
         self._stop = asyncio.Event()
         self._drain_deadline: float | None = None
         self._pending_aborts: list[str] = []
+        # Frames for clients whose pipe was full (slow consumers), retried each tick.
+        self._backlog: dict[bytes, collections.deque[list[bytes]]] = {}
+        self._curve = curve
         self.frames_sent = 0
         self.frames_dropped = 0
+        self.errors_by_code: collections.Counter[ErrorCode] = collections.Counter()
+        self.step_histogram = StepHistogram()
 
     # ------------------------------------------------------------ control
 
@@ -93,11 +103,15 @@ class Gateway:
         self._ctx = ctx
         sock = ctx.socket(zmq.ROUTER)
         self._sock = sock
+        authenticator = None
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH tells us a client left
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # same identity reconnecting takes over
             sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes * _HARD_MESSAGE_FACTOR)
+            sock.setsockopt(zmq.SNDHWM, self.limits.client_send_hwm)
             sock.setsockopt(zmq.LINGER, 2000)
+            if self._curve is not None:
+                authenticator = self._curve.apply(ctx, sock)
             for address in self.binds:
                 sock.bind(address)
                 self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -113,6 +127,8 @@ class Gateway:
                     loop.cancel()
         finally:
             sock.close(linger=2000 if self.exit_code == EXIT_OK else 500)
+            if authenticator is not None:
+                authenticator.stop()
             if self._own_ctx:
                 ctx.term()
         return self.exit_code
@@ -138,14 +154,18 @@ class Gateway:
         engine = self.engine
         table = self.table
         send = self._send
+        observe = self.step_histogram.observe
+        clock = time.perf_counter
         while True:
             try:
                 outputs = await engine.get_output()
             except EngineDead as exc:
                 self._on_engine_dead(exc.message)
                 return
+            start = clock()
             for client_id, msg in table.on_step(outputs):
                 send(client_id, msg)
+            observe(clock() - start)
 
     async def _housekeeping_loop(self) -> None:
         table = self.table
@@ -153,6 +173,8 @@ class Gateway:
             await asyncio.sleep(_HOUSEKEEPING_S)
             now = time.monotonic()
             await self._apply(table.expire(now))
+            if self._backlog:
+                self._flush_backlogs(now)
             if self._pending_aborts:
                 aborts, self._pending_aborts = self._pending_aborts, []
                 await self.engine.abort_requests(aborts)
@@ -180,22 +202,67 @@ class Gateway:
             await self.engine.abort_requests(effects.abort)
 
     def _send(self, client_id: bytes, msg: ServerMessage) -> None:
+        if type(msg) is Error:
+            self.errors_by_code[msg.code] += 1
+        frames = [client_id, VERSION_FRAME, encode_payload(msg)]
+        backlog = self._backlog.get(client_id)
+        if backlog is not None:  # keep order behind what is already waiting
+            self._queue_backlog(client_id, backlog, frames)
+            return
+        exc = self._try_send(frames)
+        if exc is None:
+            return
+        if isinstance(exc, zmq.Again):
+            # The client's pipe is full (client_send_hwm frames): it is not reading.
+            # End its requests; their terminal Errors wait in a bounded backlog.
+            self.frames_dropped += 1
+            self._backlog[client_id] = collections.deque()
+            effects = self.table.on_slow_consumer(client_id)
+            self._pending_aborts.extend(effects.abort)
+            logger.warning(
+                "client %r is not reading; ended %d requests", client_id, len(effects.replies)
+            )
+            for reply_client, reply in effects.replies:
+                self._send(reply_client, reply)
+        elif isinstance(exc, zmq.ZMQError) and exc.errno == errno.EHOSTUNREACH:
+            # The client is gone: stop spending engine time on it (the
+            # housekeeping loop tells the engine within one tick).
+            self.frames_dropped += 1
+            self._pending_aborts.extend(self.table.on_client_gone(client_id).abort)
+        else:
+            self.frames_dropped += 1
+            logger.warning("send to %r failed: %r", client_id, exc)
+
+    def _try_send(self, frames: list[bytes]) -> BaseException | None:
+        """Send without blocking; returns the error instead of raising it."""
         sock = self._sock
         assert sock is not None
-        future = sock.send_multipart(
-            [client_id, VERSION_FRAME, encode_payload(msg)], flags=zmq.NOBLOCK
-        )
+        future = sock.send_multipart(frames, flags=zmq.NOBLOCK)
         exc = future.exception() if future.done() else None
         if exc is None:
             self.frames_sent += 1
+        return exc
+
+    def _queue_backlog(self, client_id: bytes, backlog: collections.deque, frames: list) -> None:
+        if len(backlog) >= _BACKLOG_LIMIT:
+            self.frames_dropped += 1  # a client this far behind gets its terminals, not more
             return
-        self.frames_dropped += 1
-        if isinstance(exc, zmq.ZMQError) and exc.errno == errno.EHOSTUNREACH:
-            # The client is gone: stop spending engine time on it (the
-            # housekeeping loop tells the engine within one tick).
-            self._pending_aborts.extend(self.table.on_client_gone(client_id).abort)
-        elif not isinstance(exc, zmq.Again):
-            logger.warning("send to %r failed: %r", client_id, exc)
+        backlog.append(frames)
+
+    def _flush_backlogs(self, now: float) -> None:
+        """Retry frames for slow consumers; give up on clients that left."""
+        for client_id, backlog in list(self._backlog.items()):
+            while backlog:
+                exc = self._try_send(backlog[0])
+                if exc is None:
+                    backlog.popleft()
+                elif isinstance(exc, zmq.Again):
+                    break
+                else:  # gone for good
+                    self.frames_dropped += len(backlog)
+                    backlog.clear()
+            if not backlog:
+                del self._backlog[client_id]
 
     def _on_engine_dead(self, message: str) -> None:
         if self.exit_code == EXIT_ENGINE_DEAD:

@@ -16,6 +16,7 @@ Rules (this is the one place they live):
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -66,10 +67,26 @@ class GatewayLimits:
     max_in_flight_per_client: int = 1024
     max_in_flight_total: int = 4096
     max_abort_ids: int = 4096
+    max_queued_requests: int = 4096  # samples beyond the engine's max_num_seqs
+    max_request_rate_per_client: float = 0.0  # Generates per second; 0: unlimited
+    request_rate_burst: int = 256
+    client_send_hwm: int = 10_000  # frames queued to one client before it is a slow consumer
     default_heartbeat_interval_s: float = 5.0
     min_heartbeat_interval_s: float = 0.05
     max_heartbeat_interval_s: float = 300.0
     heartbeat_timeout_factor: float = 3.0
+
+
+@dataclass(slots=True)
+class TableStats:
+    """Running counts, read by the metrics collector at scrape time (no I/O here)."""
+
+    requests_accepted: int = 0
+    output_tokens: int = 0
+    aborted_by_client: int = 0
+    clients_expired: int = 0
+    finished: Counter[str] = field(default_factory=Counter)  # by FinishReason name
+    overloaded: Counter[str] = field(default_factory=Counter)  # by limit name
 
 
 class GatewayState(Enum):
@@ -118,6 +135,8 @@ class _Client:
     heartbeat_timeout_s: float
     last_seen: float
     requests: dict[str, _Request] = field(default_factory=dict)
+    rate_tokens: float = 0.0
+    rate_updated: float = 0.0
 
 
 def _concat(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
@@ -144,6 +163,8 @@ class SessionTable:
         self._clients: dict[bytes, _Client] = {}
         self._by_engine_id: dict[str, tuple[_Request, _Sample]] = {}
         self._live_requests = 0
+        self._live_samples = 0
+        self.stats = TableStats()
         max_prompt = limits.max_prompt_tokens or info.max_model_len
         self.model_info = ModelInfo(
             name=info.model_name,
@@ -158,6 +179,9 @@ class SessionTable:
             max_frame_bytes=limits.max_frame_bytes,
             max_abort_ids=limits.max_abort_ids,
             max_logprobs=info.max_logprobs,
+            max_queued_requests=limits.max_queued_requests,
+            max_request_rate_per_client=limits.max_request_rate_per_client,
+            client_send_hwm=limits.client_send_hwm,
         )
         self._handlers: dict[type, Callable[[bytes, object, float], Effects]] = {
             Hello: self._on_hello,
@@ -219,7 +243,15 @@ class SessionTable:
             max(interval, limits.min_heartbeat_interval_s), limits.max_heartbeat_interval_s
         )
         timeout = interval * limits.heartbeat_timeout_factor
-        self._clients[client_id] = _Client(client_id, msg.client_name, interval, timeout, now)
+        self._clients[client_id] = _Client(
+            client_id,
+            msg.client_name,
+            interval,
+            timeout,
+            now,
+            rate_tokens=float(limits.request_rate_burst),
+            rate_updated=now,
+        )
         ack = HelloAck(
             protocol_version=PROTOCOL_VERSION,
             gateway_version=self._gateway_version,
@@ -263,6 +295,16 @@ class SessionTable:
                 f"gateway is {self.state.value}; no new requests are accepted",
             )
         limits = self.wire_limits
+        rate = self.limits.max_request_rate_per_client
+        if rate > 0:
+            burst = self.limits.request_rate_burst
+            client.rate_tokens = min(burst, client.rate_tokens + (now - client.rate_updated) * rate)
+            client.rate_updated = now
+            if client.rate_tokens < 1.0:
+                return self._overloaded(
+                    client_id, request_id, "max_request_rate_per_client", int(rate), int(rate)
+                )
+            client.rate_tokens -= 1.0
         if len(client.requests) >= limits.max_in_flight_per_client:
             return self._overloaded(
                 client_id,
@@ -278,6 +320,11 @@ class SessionTable:
                 "max_in_flight_total",
                 limits.max_in_flight_total,
                 self._live_requests,
+            )
+        queued = self._live_samples - self.info.max_num_seqs
+        if queued >= limits.max_queued_requests:
+            return self._overloaded(
+                client_id, request_id, "max_queued_requests", limits.max_queued_requests, queued
             )
         prompt_tokens = len(msg.prompt_token_ids)
         if prompt_tokens > limits.max_prompt_tokens:
@@ -307,12 +354,15 @@ class SessionTable:
         for sample in samples:
             self._by_engine_id[sample.engine_request_id] = (request, sample)
         self._live_requests += 1
+        self._live_samples += n
+        self.stats.requests_accepted += 1
         return Effects(submit=list(prepared))
 
     def _overloaded(
         self, client_id: bytes, request_id: str, limit: str, value: int, current: int
     ) -> Effects:
-        message = f"{limit} is {value} and {current} requests are in flight; retry later"
+        self.stats.overloaded[limit] += 1
+        message = f"{limit} is {value} and the current load is {current}; retry later"
         return Effects(
             replies=[(client_id, Overloaded(request_id, limit, value, current, message))]
         )
@@ -353,6 +403,7 @@ class SessionTable:
                 unknown.append(request_id)
                 continue
             aborted.append(request_id)
+            self.stats.aborted_by_client += 1
             self._finish_request(request, FinishReason.ABORT, terminals, effects.abort)
         if terminals:
             effects.replies.append((client_id, Outputs(terminals)))
@@ -401,12 +452,14 @@ class SessionTable:
     ) -> RequestOutput | None:
         new_token_ids = out.new_token_ids
         sample.output_tokens += len(new_token_ids)
+        self.stats.output_tokens += len(new_token_ids)
         stats = out.prefill_stats
         if stats is not None:
             sample.cached_tokens = stats.num_cached_tokens
         reason = out.finish_reason
         finished = None
         if reason is not None:
+            self.stats.finished[FinishReason(reason).name] += 1
             stop = out.stop_reason
             finished = Finished(
                 FinishReason(reason),
@@ -450,6 +503,7 @@ class SessionTable:
         sample.done = True
         del self._by_engine_id[sample.engine_request_id]
         request.live_samples -= 1
+        self._live_samples -= 1
         if request.live_samples == 0:
             client = self._clients.get(request.client_id)
             if client is not None and client.requests.get(request.request_id) is request:
@@ -468,6 +522,7 @@ class SessionTable:
             if sample.done:
                 continue
             abort_ids.append(sample.engine_request_id)
+            self.stats.finished[reason.name] += 1
             finished = Finished(
                 reason, None, request.prompt_tokens, sample.output_tokens, sample.cached_tokens
             )
@@ -521,6 +576,7 @@ class SessionTable:
         effects = Effects()
         for client in list(self._clients.values()):
             if now - client.last_seen > client.heartbeat_timeout_s:
+                self.stats.clients_expired += 1
                 self._end_client(client.client_id, effects)
         return effects
 
@@ -530,6 +586,25 @@ class SessionTable:
         if client_id in self._clients:
             self._end_client(client_id, effects)
         return effects
+
+    def on_slow_consumer(self, client_id: bytes) -> Effects:
+        """``client_id`` stopped reading: end its requests with SLOW_CONSUMER, forget it."""
+        effects = Effects()
+        client = self._clients.pop(client_id, None)
+        if client is None:
+            return effects
+        message = (
+            f"client did not read its outputs ({self.wire_limits.client_send_hwm} frames"
+            " queued); its requests were ended; send Hello to start again"
+        )
+        for request in list(client.requests.values()):
+            self._error_request(request, ErrorCode.SLOW_CONSUMER, message, effects)
+        return effects
+
+    @property
+    def queued_requests(self) -> int:
+        """Samples beyond what the engine can run at once (an estimate of its queue)."""
+        return max(0, self._live_samples - self.info.max_num_seqs)
 
     def on_engine_dead(self, message: str) -> Effects:
         """The engine failed: every live request ends with ENGINE_DEAD; refuse new ones."""

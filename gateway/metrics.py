@@ -1,0 +1,116 @@
+"""Prometheus metrics: a collector that reads the gateway's counters at scrape time.
+
+Rule: the hot path only increments plain ints (SessionTable.stats, Gateway
+counters) and one histogram per engine step; nothing here runs per frame.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .server import Gateway
+
+__all__ = ["StepHistogram", "GatewayCollector", "start_metrics_server"]
+
+_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+
+class StepHistogram:
+    """Seconds the gateway spends on one engine step's outputs (table, encode, sends)."""
+
+    __slots__ = ("counts", "total", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(_BUCKETS) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(_BUCKETS, seconds)] += 1
+        self.total += seconds
+        self.count += 1
+
+
+class GatewayCollector:
+    """prometheus-client collector over one Gateway."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        gw = self.gateway
+        table = gw.table
+        stats = table.stats
+        p = "engine_gateway_"
+        yield CounterMetricFamily(
+            p + "requests_accepted", "Generate requests accepted", value=stats.requests_accepted
+        )
+        finished = CounterMetricFamily(
+            p + "requests_finished", "Samples finished, by reason", labels=["reason"]
+        )
+        for reason, n in stats.finished.items():
+            finished.add_metric([reason.lower()], n)
+        yield finished
+        yield CounterMetricFamily(
+            p + "output_tokens", "Output tokens streamed", value=stats.output_tokens
+        )
+        yield CounterMetricFamily(
+            p + "aborts", "Requests aborted by their client", value=stats.aborted_by_client
+        )
+        yield CounterMetricFamily(
+            p + "clients_expired",
+            "Sessions ended by heartbeat timeout",
+            value=stats.clients_expired,
+        )
+        errors = CounterMetricFamily(p + "errors", "Error frames sent, by code", labels=["code"])
+        for code, n in gw.errors_by_code.items():
+            errors.add_metric([code.name.lower()], n)
+        yield errors
+        overloaded = CounterMetricFamily(
+            p + "overloaded", "Overloaded replies, by limit", labels=["limit"]
+        )
+        for limit, n in stats.overloaded.items():
+            overloaded.add_metric([limit], n)
+        yield overloaded
+        yield CounterMetricFamily(p + "frames_sent", "Frames sent", value=gw.frames_sent)
+        yield CounterMetricFamily(
+            p + "frames_dropped", "Frames that could not be sent", value=gw.frames_dropped
+        )
+        yield GaugeMetricFamily(
+            p + "in_flight_requests", "Accepted requests not yet ended", value=table.live_requests
+        )
+        yield GaugeMetricFamily(
+            p + "queued_requests",
+            "Samples beyond the engine's max_num_seqs (its queue)",
+            value=table.queued_requests,
+        )
+        yield GaugeMetricFamily(p + "connected_clients", "Sessions", value=table.connected_clients)
+        hist = gw.step_histogram
+        buckets, running = [], 0
+        for bound, n in zip((*_BUCKETS, float("inf")), hist.counts, strict=True):
+            running += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        yield HistogramMetricFamily(
+            p + "step_seconds",
+            "Gateway time per engine step (table, encode, sends)",
+            buckets=buckets,
+            sum_value=hist.total,
+        )
+
+
+def start_metrics_server(gateway: Gateway, port: int, addr: str = "127.0.0.1") -> None:
+    """Serve /metrics on ``addr:port`` from a background thread (prometheus-client)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(GatewayCollector(gateway))
+    start_http_server(port, addr=addr, registry=registry)
