@@ -118,8 +118,20 @@ async def _transport_baseline(frames: int) -> dict:
     import zmq.asyncio
 
     address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/baseline.sock"
-    server = _Process([sys.executable, "-m", "bench.zmq_baseline", "--bind", address,
-                       "--frames", str(frames), "--interval", "0.002"], "zmq-baseline.log")
+    server = _Process(
+        [
+            sys.executable,
+            "-m",
+            "bench.zmq_baseline",
+            "--bind",
+            address,
+            "--frames",
+            str(frames),
+            "--interval",
+            "0.002",
+        ],
+        "zmq-baseline.log",
+    )
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     latencies = []
@@ -134,8 +146,11 @@ async def _transport_baseline(frames: int) -> dict:
         sock.close()
         server.stop()
     latencies = latencies[50:]
-    return {"frames": len(latencies), "one_way_us_p50": percentile(latencies, 0.5),
-            "one_way_us_p99": percentile(latencies, 0.99)}
+    return {
+        "frames": len(latencies),
+        "one_way_us_p50": percentile(latencies, 0.5),
+        "one_way_us_p99": percentile(latencies, 0.99),
+    }
 
 
 def _processing_time(iterations: int = 20000) -> dict:

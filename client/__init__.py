@@ -9,6 +9,7 @@ from codec import ErrorCode, FinishReason, RequestOptions, RequestOutput, Sampli
 
 from .aio import AsyncClient
 from .errors import ClientError, GatewayUnavailable, RequestFailed, RequestOverloaded
+from .keys import load_client_keys
 from .results import Completion
 from .sync import Client
 
@@ -20,6 +21,7 @@ __all__ = [
     "RequestFailed",
     "RequestOverloaded",
     "GatewayUnavailable",
+    "load_client_keys",
     "SamplingParams",
     "RequestOptions",
     "RequestOutput",

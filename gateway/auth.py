@@ -16,7 +16,7 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-__all__ = ["CurveConfig", "load_client_keys"]
+__all__ = ["CurveConfig"]
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,3 @@ class CurveConfig:
         sock.curve_publickey = public
         sock.curve_server = True
         return authenticator
-
-
-def load_client_keys(server_public_file: Path, client_secret_file: Path) -> tuple[bytes, ...]:
-    """(server public, client public, client secret) for ``AsyncClient(curve_keys=...)``."""
-    server_public, _ = zmq.auth.load_certificate(server_public_file)
-    public, secret = zmq.auth.load_certificate(client_secret_file)
-    if secret is None:
-        raise ValueError(f"{client_secret_file} holds no secret key")
-    return server_public, public, secret

@@ -1,0 +1,368 @@
+"""Hostile and broken clients against a live gateway (fake engine, real ROUTER over ipc://).
+
+Fuzzing, floods, slow readers, CURVE and metrics. The gateway runs on its own
+thread and loop, so hypothesis drives it with plain blocking sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import urllib.request
+
+import msgspec
+import psutil
+import pytest
+import zmq
+import zmq.auth
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client import Client, FinishReason, GatewayUnavailable, SamplingParams, load_client_keys
+from codec import (
+    VERSION_FRAME,
+    Abort,
+    Error,
+    ErrorCode,
+    Generate,
+    Hello,
+    Outputs,
+    Overloaded,
+    Ping,
+    Pong,
+    decode_server,
+    encode,
+)
+from gateway.auth import CurveConfig
+from gateway.engine import EngineInfo
+from gateway.fake_engine import FakeEngine
+from gateway.server import Gateway
+from gateway.sessions import GatewayLimits
+from tests.conftest import ipc_address
+from tests.strategies import client_messages
+
+FUZZ_LIMITS = GatewayLimits(
+    max_frame_bytes=4096, max_in_flight_per_client=64, max_abort_ids=64, client_send_hwm=1000
+)
+
+
+class GatewayThread:
+    """A Gateway on a FakeEngine, served on its own thread and event loop."""
+
+    def __init__(
+        self, limits: GatewayLimits = FUZZ_LIMITS, step_interval_s: float = 0.001, **kwargs
+    ):
+        self.engine_kwargs = dict(step_interval_s=step_interval_s)
+        self.limits = limits
+        self.kwargs = kwargs
+        self.address = ipc_address()
+        self.loop = asyncio.new_event_loop()
+        self.gateway: Gateway | None = None
+        self.exit_code: int | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            engine = FakeEngine(
+                info=EngineInfo("fake", 4096, 1000, (2,), 5, 64), **self.engine_kwargs
+            )
+            self.engine = engine
+            self.gateway = Gateway(engine, self.address, self.limits, **self.kwargs)
+            serving = asyncio.ensure_future(self.gateway.serve())
+            await self.gateway.ready.wait()
+            self._ready.set()
+            self.exit_code = await serving
+
+        self.loop.run_until_complete(main())
+
+    def __enter__(self) -> GatewayThread:
+        self._thread.start()
+        assert self._ready.wait(10), "gateway did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.gateway.stop)
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+
+    def call(self, fn):
+        """Run ``fn()`` on the gateway's loop and return its result (for state checks)."""
+        done = threading.Event()
+        box = []
+        self.loop.call_soon_threadsafe(lambda: (box.append(fn()), done.set()))
+        assert done.wait(5)
+        return box[0]
+
+
+def dealer(address: str, identity: bytes, **options) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    for option, value in options.items():
+        sock.setsockopt(getattr(zmq, option), value)
+    sock.connect(address)
+    return sock
+
+
+def recv(sock: zmq.Socket, timeout_ms: int = 5000):
+    if not sock.poll(timeout_ms):
+        raise TimeoutError("no frame from the gateway")
+    return decode_server(sock.recv_multipart())
+
+
+def drain_until_pong(sock: zmq.Socket, nonce: int) -> list:
+    """Everything the gateway sent before answering Ping(nonce)."""
+    sock.send_multipart(encode(Ping(nonce)))
+    seen = []
+    while True:
+        msg = recv(sock)
+        if isinstance(msg, Pong) and msg.nonce == nonce:
+            return seen
+        seen.append(msg)
+
+
+def good_client_workload(address: str, stop: threading.Event, failures: list) -> None:
+    """A well-behaved client: sequential requests whose exact tokens are known."""
+    with Client(address, name="good") as client:
+        i = 0
+        while not stop.is_set():
+            prompt = [10 + i % 50]
+            done = client.complete(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+            expected = [(prompt[0] + k) % 1000 for k in range(8)]
+            if done.token_ids != expected or done.finish_reason is not FinishReason.LENGTH:
+                failures.append((prompt, done))
+            i += 1
+
+
+@contextlib.contextmanager
+def good_client_alongside(address: str):
+    stop, failures = threading.Event(), []
+    thread = threading.Thread(target=good_client_workload, args=(address, stop, failures))
+    thread.start()
+    try:
+        yield failures
+    finally:
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+frame_lists = st.one_of(
+    st.lists(st.binary(max_size=64), min_size=1, max_size=4),  # random frames and count
+    st.tuples(st.just(VERSION_FRAME), st.binary(max_size=300)).map(list),  # random payload
+    client_messages.map(encode),  # valid structure, hostile values
+    client_messages.map(lambda m: [VERSION_FRAME, _mutate(encode(m)[1])]),
+)
+
+
+def _mutate(payload: bytes) -> bytes:
+    """Flip one byte in the middle: mostly still msgpack, now with wrong types or lengths."""
+    if not payload:
+        return payload
+    i = len(payload) // 2
+    return payload[:i] + bytes([payload[i] ^ 0x5A]) + payload[i + 1 :]
+
+
+def _fuzz(n_examples: int) -> None:
+    with GatewayThread() as gw, good_client_alongside(gw.address) as failures:
+        sock = dealer(gw.address, b"fuzzer")
+        sock.send_multipart(encode(Hello(1, "fuzzer", 60.0)))
+        assert recv(sock).__class__.__name__ == "HelloAck"
+        process = psutil.Process()
+        rss_before = process.memory_info().rss
+        nonces = iter(range(1, 10**9))
+
+        @settings(max_examples=n_examples, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(frame_lists)
+        def one(frames: list[bytes]) -> None:
+            sock.send_multipart(frames)
+            for msg in drain_until_pong(sock, next(nonces)):
+                if isinstance(msg, Error):
+                    assert msg.code in ErrorCode and msg.message
+            # Requests the fuzzer got accepted are ended, so load stays bounded.
+            sock.send_multipart(encode(Abort(None)))
+
+        one()
+        drain_until_pong(sock, 0)
+        sock.close()
+        assert gw.call(lambda: gw.gateway.table.client_request_ids(b"fuzzer")) == []
+        assert process.memory_info().rss - rss_before < 64 * 1024 * 1024
+        assert gw.gateway.exit_code == 0
+    assert failures == []
+
+
+def test_fuzzed_frames_get_documented_errors_and_good_clients_are_unaffected():
+    _fuzz(150)
+
+
+@pytest.mark.slow
+def test_fuzzing_long_run():
+    _fuzz(5000)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x00", b"\xff" * 64, b"\x93\x02\xa1r\x91\xff"])
+def test_every_garbage_frame_is_answered_with_exactly_one_error(raw):
+    with GatewayThread() as gw:
+        sock = dealer(gw.address, b"garbage")
+        sock.send_multipart([VERSION_FRAME, raw])
+        replies = drain_until_pong(sock, 1)
+        assert len(replies) == 1 and isinstance(replies[0], Error)
+        sock.close()
+
+
+def test_oversize_frames_are_refused_before_decoding_and_the_session_goes_on():
+    with GatewayThread() as gw:
+        sock = dealer(gw.address, b"big")
+        sock.send_multipart([VERSION_FRAME, msgspec.msgpack.encode([2, "r", [1] * 5000])])
+        (err,) = drain_until_pong(sock, 1)
+        assert err.code is ErrorCode.FRAME_TOO_LARGE
+        sock.close()
+
+
+def test_a_flooding_client_gets_overloaded_and_another_client_is_unaffected():
+    limits = GatewayLimits(max_in_flight_per_client=20, client_send_hwm=100_000)
+    with (
+        GatewayThread(limits, step_interval_s=0.002) as gw,
+        good_client_alongside(gw.address) as failures,
+    ):
+        flood = dealer(gw.address, b"flood", SNDHWM=0, RCVHWM=0)
+        flood.send_multipart(encode(Hello(1, "flood", 60.0)))
+        recv(flood)
+        sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+        for i in range(2000):
+            flood.send_multipart(encode(Generate(f"f{i}", [7], True, sampling)))
+        overloaded = accepted_terminals = 0
+        deadline = time.monotonic() + 30
+        while overloaded + accepted_terminals < 2000 and time.monotonic() < deadline:
+            msg = recv(flood)
+            if isinstance(msg, Overloaded):
+                assert msg.limit == "max_in_flight_per_client" and msg.limit_value == 20
+                overloaded += 1
+            elif isinstance(msg, Outputs):
+                accepted_terminals += sum(o.finished is not None for o in msg.outputs)
+        assert overloaded + accepted_terminals == 2000
+        assert overloaded >= 1500 and accepted_terminals >= 20
+        flood.close()
+    assert failures == []
+
+
+def test_request_rate_limit_answers_overloaded():
+    limits = GatewayLimits(max_request_rate_per_client=5.0, request_rate_burst=3)
+    with GatewayThread(limits) as gw:
+        sock = dealer(gw.address, b"rate")
+        sock.send_multipart(encode(Hello(1, "rate", 60.0)))
+        recv(sock)
+        for i in range(6):
+            sock.send_multipart(encode(Generate(f"r{i}", [7], False, SamplingParams(max_tokens=1))))
+        replies = drain_until_pong(sock, 1)
+        limited = [m for m in replies if isinstance(m, Overloaded)]
+        assert len(limited) == 3 and limited[0].limit == "max_request_rate_per_client"
+        sock.close()
+
+
+def test_a_client_that_stops_reading_is_ended_without_stalling_others():
+    limits = GatewayLimits(client_send_hwm=20)
+    with (
+        GatewayThread(limits, step_interval_s=0.0005) as gw,
+        good_client_alongside(gw.address) as failures,
+    ):
+        slow = dealer(gw.address, b"slow", RCVHWM=20, RCVBUF=4096)
+        slow.send_multipart(encode(Hello(1, "slow", 60.0)))
+        recv(slow)
+        sampling = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        for i in range(10):
+            slow.send_multipart(encode(Generate(f"s{i}", [7], True, sampling)))
+
+        def slow_live() -> int:
+            return gw.call(lambda: len(gw.gateway.table.client_request_ids(b"slow")))
+
+        deadline = time.monotonic() + 10
+        while slow_live() < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slow_live() == 10  # all accepted and streaming
+        # It never reads: the gateway must end its requests and abort them in the engine
+        # (aborts go out on the next housekeeping tick).
+        deadline = time.monotonic() + 20
+        while (slow_live() or len(gw.engine.aborted) < 10) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gw.call(lambda: gw.gateway.table.client_request_ids(b"slow")) == []
+        # Only the slow client's 10 requests were aborted (the good client's all finish).
+        assert len(gw.engine.aborted) == 10 and len(set(gw.engine.aborted)) == 10
+        assert gw.call(lambda: gw.gateway.table.live_requests) <= 1  # the good client's
+        # When it reads again, each of its requests ends with SLOW_CONSUMER.
+        codes = {}
+        deadline = time.monotonic() + 20
+        while len(codes) < 10 and time.monotonic() < deadline:
+            msg = recv(slow)
+            if isinstance(msg, Error):
+                codes[msg.request_id] = msg.code
+        assert set(codes.values()) == {ErrorCode.SLOW_CONSUMER} and len(codes) == 10
+        slow.close()
+    assert failures == []
+
+
+@pytest.fixture
+def curve_keys(tmp_path):
+    for name in ("server", "client", "stranger"):
+        (tmp_path / name).mkdir()
+        zmq.auth.create_certificates(tmp_path / name, name)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "client.key").write_bytes((tmp_path / "client" / "client.key").read_bytes())
+    return tmp_path, CurveConfig(tmp_path / "server" / "server.key_secret", allowed)
+
+
+def test_curve_serves_the_allowed_key_and_refuses_wrong_or_no_key(curve_keys):
+    root, config = curve_keys
+    with GatewayThread(curve=config) as gw:
+        good = load_client_keys(
+            root / "server" / "server.key", root / "client" / "client.key_secret"
+        )
+        with Client(gw.address, curve_keys=good) as client:
+            assert client.complete([5], SamplingParams(max_tokens=3)).output_tokens == 3
+        stranger = load_client_keys(
+            root / "server" / "server.key", root / "stranger" / "stranger.key_secret"
+        )
+        for keys in (stranger, None):
+            with pytest.raises(GatewayUnavailable):
+                Client(gw.address, curve_keys=keys, connect_timeout_s=1.5)
+        assert gw.call(lambda: gw.gateway.table.connected_clients) == 0
+
+
+def test_metrics_endpoint_reports_requests_tokens_errors_and_clients():
+    from gateway.metrics import start_metrics_server
+
+    with GatewayThread() as gw:
+        port = _free_port()
+        start_metrics_server(gw.gateway, port)
+        with Client(gw.address) as client:
+            for _ in range(3):
+                client.complete([5], SamplingParams(max_tokens=4, ignore_eos=True))
+            with pytest.raises(Exception):  # noqa: B017 - any refusal will do
+                client.complete([5000])
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values["engine_gateway_requests_accepted_total"] == 3
+    assert values["engine_gateway_output_tokens_total"] == 12
+    assert values['engine_gateway_requests_finished_total{reason="length"}'] == 3
+    assert values['engine_gateway_errors_total{code="invalid_request"}'] == 1
+    assert values["engine_gateway_connected_clients"] == 1
+    assert values["engine_gateway_step_seconds_count"] >= 4
+    assert "engine_gateway_in_flight_requests" in values
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
