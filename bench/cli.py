@@ -18,13 +18,24 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
+import statistics
 import sys
 from pathlib import Path
 
 from .stats import summarize
 from .workload import Workload, closed_loop, open_loop
 
-ALL_TARGETS = ["gateway-ipc", "gateway-tcp", "vllm-http", "direct"]
+ALL_TARGETS = [
+    "gateway-ipc",
+    "gateway-tcp",
+    "vllm-http",
+    "vllm-grpc",
+    "vllm-grpc-final",
+    "direct",
+    "gateway-fake",  # the gateway on the fake engine: CLI smoke tests
+]
+DEFAULT_TARGETS = ["gateway-ipc", "gateway-tcp", "vllm-http", "vllm-grpc", "direct"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -42,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="c=1,64 (default)")
     mode.add_argument("--full", action="store_true", help="c=1,16,64,256 and Poisson rates")
-    p.add_argument("--targets", default=",".join(ALL_TARGETS))
+    p.add_argument(
+        "--targets", default=",".join(DEFAULT_TARGETS), help=f"comma list of {ALL_TARGETS}"
+    )
     p.add_argument("--concurrency", default=None, help="comma list, overrides the mode")
     p.add_argument("--rates", default=None, help="Poisson arrival rates (req/s), comma list")
     p.add_argument(
@@ -54,9 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=_pair, default=(64, 64), metavar="LO[,HI]")
     p.add_argument("--output-len", type=_pair, default=(64, 64), metavar="LO[,HI]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved repetitions, medians reported (default 3, full 5)",
+    )
     p.add_argument("--model", default=None, help="default: the embedded tiny model")
     p.add_argument("--name", default=None, help="results file stem (default: quick/full)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the fake-engine ceiling")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     return p
 
 
@@ -74,46 +94,107 @@ def _versions() -> dict[str, str]:
     return out
 
 
-async def _run_target(
-    target, workload: Workload, concurrency: list[int], rates: list[float], requests: int | None
+def _requests_for(args: argparse.Namespace, concurrency: int) -> int:
+    return args.requests or max(12, 2 * concurrency)
+
+
+def _merge(rounds: list[dict]) -> dict:
+    """Median of each figure over the rounds; latency samples pooled; range kept."""
+    out = dict(rounds[0])
+    for key in (
+        "output_tok_s",
+        "req_s",
+        "cpu_s_per_1k_tokens",
+        "frontend_cpu_s",
+        "wall_s",
+        "frames_per_request",
+        "e2e_mean_ms",
+    ):
+        values = [r[key] for r in rounds if r[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        out[key] = {
+            q: statistics.median([r[key][q] for r in rounds if r[key][q] is not None] or [0.0])
+            for q in rounds[0][key]
+        }
+    out["requests"] = sum(r["requests"] for r in rounds)
+    out["errors"] = sum(r["errors"] for r in rounds)
+    out["output_tokens"] = sum(r["output_tokens"] for r in rounds)
+    out["ttft_samples_ms"] = [x for r in rounds for x in r["ttft_samples_ms"]]
+    out["rounds"] = len(rounds)
+    out["output_tok_s_range"] = [
+        min(r["output_tok_s"] for r in rounds),
+        max(r["output_tok_s"] for r in rounds),
+    ]
+    return out
+
+
+async def _measure(
+    target, workload: Workload, mode: str, level: float, count: int, salt: int
+) -> dict:
+    reqs = workload.requests(count, salt=salt)
+    cpu0 = target.frontend_cpu_s()
+    if mode == "closed":
+        run = await closed_loop(target.stream, reqs, int(level))
+    else:
+        run = await open_loop(target.stream, reqs, level, seed=salt)
+    return summarize(run, target.frontend_cpu_s() - cpu0)
+
+
+async def _interleaved(
+    targets: list,
+    workload: Workload,
+    args: argparse.Namespace,
+    concurrency: list[int],
+    rates: list[float],
 ) -> list[dict]:
+    """Every target at every level, round-robin in a shuffled order, ``args.rounds`` times.
+
+    All servers run for the whole benchmark (idle ones use no CPU), so slow drift of
+    the machine's speed hits every target alike instead of whichever ran last.
+    """
+    levels = [("closed", float(c)) for c in concurrency] + [("poisson", r) for r in rates]
+    samples: dict[tuple[str, str, float], list[dict]] = {}
+    for round_index in range(args.rounds):
+        order = list(targets)
+        random.Random(args.seed + round_index).shuffle(order)
+        for mode, level in levels:
+            count = (
+                _requests_for(args, int(level))
+                if mode == "closed"
+                else args.requests or max(32, int(level * 10))
+            )
+            salt = round_index * 100_003 + int(level * 1000)
+            for target in order:
+                row = await _measure(target, workload, mode, level, count, salt)
+                samples.setdefault((target.name, mode, level), []).append(row)
+                label = f"c={int(level)}" if mode == "closed" else f"rate={level}"
+                print(
+                    f"  round {round_index + 1}/{args.rounds} {target.name:15} {label:8} "
+                    f"{row['output_tok_s']:7.0f} tok/s  TTFT p50 "
+                    f"{row['ttft_ms']['p50'] or 0:7.1f} ms  CPU/1k "
+                    f"{row['cpu_s_per_1k_tokens'] or 0:.4f} s  errors {row['errors']}",
+                    flush=True,
+                )
+                await asyncio.sleep(0.3)  # let the previous engine's threads go idle
     rows = []
-    await target.start()
-    try:
-        warm = workload.requests(8, salt=999)
-        await closed_loop(target.stream, warm, 8)  # warm-up, not recorded
-        for c in concurrency:
-            reqs = workload.requests(requests or max(16, 2 * c), salt=c)
-            cpu0 = target.frontend_cpu_s()
-            run = await closed_loop(target.stream, reqs, c)
-            row = summarize(run, target.frontend_cpu_s() - cpu0)
-            rows.append({"target": target.name, "mode": "closed", "concurrency": c, **row})
-            print(
-                f"  {target.name:12} c={c:<4} {row['output_tok_s']:8.0f} tok/s  "
-                f"TTFT p50 {row['ttft_ms']['p50'] or 0:7.1f} ms  "
-                f"CPU/1k {row['cpu_s_per_1k_tokens'] or 0:.4f} s  errors {row['errors']}",
-                flush=True,
-            )
-        for rate in rates:
-            reqs = workload.requests(requests or max(32, int(rate * 10)), salt=int(rate * 1000))
-            cpu0 = target.frontend_cpu_s()
-            run = await open_loop(target.stream, reqs, rate, seed=workload.seed)
-            row = summarize(run, target.frontend_cpu_s() - cpu0)
-            rows.append({"target": target.name, "mode": "poisson", "rate": rate, **row})
-            print(
-                f"  {target.name:12} rate={rate:<5} {row['output_tok_s']:8.0f} tok/s  "
-                f"TTFT p50 {row['ttft_ms']['p50'] or 0:7.1f} ms",
-                flush=True,
-            )
-    finally:
-        await target.stop()
+    for (name, mode, level), rounds in samples.items():
+        key = {"concurrency": int(level)} if mode == "closed" else {"rate": level}
+        rows.append({"target": name, "mode": mode, **key, **_merge(rounds)})
     return rows
 
 
 async def run(args: argparse.Namespace) -> dict:
     from gateway.tiny_model import ensure_tiny_model
 
-    from .targets import DirectTarget, GatewayServer, GatewayTarget, HttpTarget
+    from .targets import (
+        DirectTarget,
+        FakeGatewayServer,
+        GatewayServer,
+        GatewayTarget,
+        GrpcTarget,
+        HttpTarget,
+    )
 
     model = args.model or str(ensure_tiny_model())
     if args.concurrency:
@@ -124,25 +205,45 @@ async def run(args: argparse.Namespace) -> dict:
         rates = [float(x) for x in args.rates.split(",")]
     else:
         rates = [4.0, 16.0] if args.full else []
+    if args.rounds is None:
+        args.rounds = 5 if args.full else 3
     workload = Workload(args.prompt_len, args.output_len, seed=args.seed)
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(targets) - set(ALL_TARGETS)
+    names = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = set(names) - set(ALL_TARGETS)
     if unknown:
         raise SystemExit(f"unknown targets {sorted(unknown)}; known: {ALL_TARGETS}")
-    rows: list[dict] = []
-    gateway_targets = [t for t in targets if t.startswith("gateway-")]
-    if gateway_targets:
-        server = GatewayServer(model)
-        try:
-            for name in gateway_targets:
-                target = GatewayTarget(server, name.removeprefix("gateway-"))
-                rows += await _run_target(target, workload, concurrency, rates, args.requests)
-        finally:
-            server.stop()
-    if "vllm-http" in targets:
-        rows += await _run_target(HttpTarget(model), workload, concurrency, rates, args.requests)
-    if "direct" in targets:
-        rows += await _run_target(DirectTarget(model), workload, concurrency, rates, args.requests)
+    real = [n for n in names if n in ("gateway-ipc", "gateway-tcp")]
+    server = GatewayServer(model) if real else None
+    fake_server = FakeGatewayServer() if "gateway-fake" in names else None
+    targets = []
+    for name in names:
+        if name == "gateway-fake":
+            targets.append(GatewayTarget(fake_server, "fake"))
+        elif name.startswith("gateway-"):
+            targets.append(GatewayTarget(server, name.removeprefix("gateway-")))
+        elif name == "vllm-http":
+            targets.append(HttpTarget(model))
+        elif name.startswith("vllm-grpc"):
+            targets.append(GrpcTarget(model, stream=name == "vllm-grpc"))
+        else:
+            targets.append(DirectTarget(model))
+    try:
+        print(
+            f"starting {len(targets)} targets (one engine each; the gateway's serves both "
+            "transports)...",
+            flush=True,
+        )
+        await asyncio.gather(*(t.start() for t in targets))
+        for target in targets:  # warm-up, not recorded
+            await closed_loop(target.stream, workload.requests(8, salt=999), 8)
+        rows = await _interleaved(targets, workload, args, concurrency, rates)
+    finally:
+        for target in targets:
+            with contextlib.suppress(Exception):
+                await target.stop()
+        for process in (server, fake_server):
+            if process is not None:
+                process.stop()
     ceiling = None
     if not args.no_ceiling:
         from .ceiling import measure_ceiling
@@ -164,7 +265,9 @@ async def run(args: argparse.Namespace) -> dict:
             },
             "concurrency": concurrency,
             "rates": rates,
-            "targets": targets,
+            "targets": names,
+            "rounds": args.rounds,
+            "interleaved": True,
         },
         "rows": rows,
         "ceiling": ceiling,
@@ -174,8 +277,8 @@ async def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     results = asyncio.run(run(args))
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / results["name"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / results["name"]
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
     from .report import write_report
 

@@ -27,7 +27,14 @@ async def serve(args: argparse.Namespace) -> int:
         step_interval_s=args.step_interval,
         step_times=[] if args.step_times else None,
     )
-    limits = GatewayLimits(max_in_flight_per_client=100_000, max_in_flight_total=100_000)
+    # No slow-consumer cut-off: the fake engine outruns any Python reader, and the
+    # ceiling measures the gateway, not the guard (client_send_hwm 0 = unlimited).
+    limits = GatewayLimits(
+        max_in_flight_per_client=100_000,
+        max_in_flight_total=100_000,
+        max_queued_requests=100_000,
+        client_send_hwm=0,
+    )
     gateway = Gateway(engine, args.bind, limits)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, gateway.stop)

@@ -9,6 +9,11 @@ def _f(value: float | None, fmt: str = ".1f") -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def _range(row: dict) -> str:
+    lo_hi = row.get("output_tok_s_range")
+    return "" if not lo_hi or row.get("rounds", 1) < 2 else f" ({lo_hi[0]:.0f}–{lo_hi[1]:.0f})"
+
+
 def _ratio(value: float | None, base: float | None) -> str:
     return "–" if not value or not base else f"{value / base:.2f}x"
 
@@ -23,8 +28,10 @@ def write_report(results: dict, stem: Path) -> str:
         f"Versions: {', '.join(f'{k} {v}' for k, v in results['versions'].items())}.",
         f"Settings: {results['settings']}.",
         "",
-        "Closed loop; ratios are against the direct engine client at the same concurrency, in "
-        "the same run. Frontend CPU: the gateway process, vLLM's API server process, or the "
+        "Closed loop; every target runs at every level in each round, in a shuffled order, "
+        f"{results['settings'].get('rounds', 1)} rounds; figures are medians over the rounds "
+        "(throughput range in brackets). Ratios are against the direct engine client at the "
+        "same concurrency, in the same run. Frontend CPU: the gateway process, vLLM's API server process, or the "
         "benchmark process for the direct client (engine processes excluded).",
         "",
         "| target | conc | output tok/s | vs direct | req/s | TTFT p50 / p99 ms | "
@@ -34,7 +41,7 @@ def write_report(results: dict, stem: Path) -> str:
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["target"])):
         d = direct.get(r["concurrency"], {})
         lines.append(
-            f"| {r['target']} | {r['concurrency']} | {_f(r['output_tok_s'], '.0f')} | "
+            f"| {r['target']} | {r['concurrency']} | {_f(r['output_tok_s'], '.0f')}{_range(r)} | "
             f"{_ratio(r['output_tok_s'], d.get('output_tok_s'))} | {_f(r['req_s'], '.2f')} | "
             f"{_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p99'])} | "
             f"{_f(r['itl_ms']['p50'], '.2f')} / {_f(r['itl_ms']['p99'], '.2f')} | "

@@ -26,7 +26,14 @@ from client import AsyncClient, SamplingParams
 
 from .workload import RequestRecord
 
-__all__ = ["ENGINE_FLAGS", "GatewayServer", "GatewayTarget", "HttpTarget", "DirectTarget"]
+__all__ = [
+    "ENGINE_FLAGS",
+    "GatewayServer",
+    "GatewayTarget",
+    "HttpTarget",
+    "GrpcTarget",
+    "DirectTarget",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 2048
@@ -54,6 +61,9 @@ def _cpu_seconds(pid: int) -> float:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # smg-grpc-servicer: no KV-event publisher on all interfaces, no 5-minute warm-up.
+    env.setdefault("SMG_VLLM_SERVICER_KV_EVENTS", "0")
+    env.setdefault("SMG_VLLM_SERVICER_WARMUP", "off")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -123,13 +133,36 @@ class GatewayServer:
         self.process.stop()
 
 
+class FakeGatewayServer:
+    """The gateway on the fake engine (bench.fake_server), for smoke tests of this CLI."""
+
+    def __init__(self) -> None:
+        self.ipc = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/fake.sock"
+        self.fake = self.ipc
+        self.process = _Process(
+            [
+                sys.executable,
+                "-m",
+                "bench.fake_server",
+                "--bind",
+                self.ipc,
+                "--step-interval",
+                "0.001",
+            ],
+            "fake-gateway.log",
+        )
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
 class GatewayTarget:
     """engine-gateway over one transport, driven by the client library."""
 
-    def __init__(self, server: GatewayServer, transport: str):
+    def __init__(self, server: GatewayServer | FakeGatewayServer, transport: str):
         self.name = f"gateway-{transport}"
         self.server = server
-        self.address = server.ipc if transport == "ipc" else server.tcp
+        self.address = getattr(server, transport)
         self._client: AsyncClient | None = None
 
     async def start(self) -> None:
@@ -252,6 +285,96 @@ class HttpTarget:
     async def stop(self) -> None:
         if self._session is not None:
             await self._session.close()
+        self.process.stop()
+
+
+class GrpcTarget:
+    """vLLM's gRPC frontend (`vllm serve --grpc`, smg-grpc-servicer), grpc.aio client.
+
+    Streaming counts only the chunks (the final GenerateComplete repeats the last
+    chunk's tokens); non-streaming counts the GenerateComplete's output_ids.
+    """
+
+    def __init__(self, model: str, stream: bool = True):
+        self.name = "vllm-grpc" if stream else "vllm-grpc-final"
+        self.stream_mode = stream
+        self.port = _free_port()
+        self.process = _Process(
+            [
+                sys.executable,
+                "-m",
+                "bench.vllm_cli",
+                "serve",
+                model,
+                "--grpc",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--disable-log-stats",
+                *ENGINE_FLAGS,
+            ],
+            "vllm-grpc.log",
+        )
+        self._channel: Any = None
+        self._stub: Any = None
+        self._ids = 0
+
+    async def start(self) -> None:
+        import grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+        self._pb = pb
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        self._stub = pb_grpc.VllmEngineStub(self._channel)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.process.proc.poll() is None:
+            record = await self.stream([5, 6, 7], 2)
+            if record.error is None:
+                return
+            await asyncio.sleep(1)
+        raise RuntimeError(f"vllm serve --grpc did not start:\n{self.process.tail()}")
+
+    def frontend_cpu_s(self) -> float:
+        return _cpu_seconds(self.process.pid)
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
+        pb = self._pb
+        self._ids += 1
+        record = RequestRecord(start=time.monotonic())
+        request = pb.GenerateRequest(
+            request_id=f"g{self._ids}-{os.getpid()}",
+            tokenized=pb.TokenizedInput(input_ids=prompt),
+            sampling_params=pb.SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=1
+            ),
+            stream=self.stream_mode,
+        )
+        try:
+            async for response in self._stub.Generate(request):
+                kind = response.WhichOneof("response")
+                tokens = (
+                    response.chunk.token_ids
+                    if kind == "chunk"
+                    else response.complete.output_ids
+                    if not self.stream_mode
+                    else ()
+                )
+                if tokens:
+                    now = time.monotonic()
+                    if record.first_token is None:
+                        record.first_token = now
+                    record.token_times.append(now)
+                    record.output_tokens += len(tokens)
+        except Exception as exc:
+            record.error = repr(exc)
+        record.end = time.monotonic()
+        return record
+
+    async def stop(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
         self.process.stop()
 
 

@@ -7,7 +7,7 @@ import vLLM.
 """
 
 from .engine import Engine, EngineInfo
-from .errors import EngineDead, GatewayClosed, GatewayError, RequestRejected
+from .errors import EngineDead, GatewayError, RequestRejected
 from .server import EXIT_ENGINE_DEAD, EXIT_OK, Gateway
 from .sessions import GatewayLimits, SessionTable
 
@@ -20,7 +20,6 @@ __all__ = [
     "GatewayError",
     "RequestRejected",
     "EngineDead",
-    "GatewayClosed",
     "EXIT_OK",
     "EXIT_ENGINE_DEAD",
 ]

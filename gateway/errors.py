@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from codec import ErrorCode
 
-__all__ = ["GatewayError", "RequestRejected", "EngineDead", "GatewayClosed"]
+__all__ = ["GatewayError", "RequestRejected", "EngineDead"]
 
 
 class GatewayError(Exception):
@@ -29,9 +29,3 @@ class EngineDead(GatewayError):
     """The engine process failed: live requests end with this, new ones are refused."""
 
     code = ErrorCode.ENGINE_DEAD
-
-
-class GatewayClosed(GatewayError):
-    """The gateway is draining or shut down."""
-
-    code = ErrorCode.DRAINING

@@ -174,7 +174,7 @@ class Gateway:
             now = time.monotonic()
             await self._apply(table.expire(now))
             if self._backlog:
-                self._flush_backlogs(now)
+                self._flush_backlogs()
             if self._pending_aborts:
                 aborts, self._pending_aborts = self._pending_aborts, []
                 await self.engine.abort_requests(aborts)
@@ -249,7 +249,7 @@ class Gateway:
             return
         backlog.append(frames)
 
-    def _flush_backlogs(self, now: float) -> None:
+    def _flush_backlogs(self) -> None:
         """Retry frames for slow consumers; give up on clients that left."""
         for client_id, backlog in list(self._backlog.items()):
             while backlog:

@@ -553,22 +553,6 @@ class SessionTable:
         if terminals:
             effects.replies.append((client_id, Outputs(terminals)))
 
-    def on_add_failed(
-        self, client_id: bytes, request_id: str, code: ErrorCode, message: str
-    ) -> Effects:
-        """Submitting an accepted request to the engine failed: end it with an Error."""
-        effects = Effects()
-        client = self._clients.get(client_id)
-        request = None if client is None else client.requests.get(request_id)
-        if request is not None:
-            self._error_request(request, code, message, effects)
-        return effects
-
-    def find_request(self, engine_request_id: str) -> tuple[bytes, str] | None:
-        """(client_id, request_id) of a live engine request id, if any."""
-        entry = self._by_engine_id.get(engine_request_id)
-        return None if entry is None else (entry[0].client_id, entry[0].request_id)
-
     # ------------------------------------------------------------ lifecycle
 
     def expire(self, now: float) -> Effects:

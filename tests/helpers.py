@@ -82,9 +82,8 @@ class TerminalLedger:
         assert not self.after_terminal, f"frames after a terminal: {self.after_terminal[:5]}"
         assert not self.current, f"requests without a terminal: {list(self.current)[:5]}"
         for instance in self.finished:
-            if instance.errors:
+            if instance.errors:  # one Error ended every sample still live
                 assert instance.errors == 1
-                assert not any(instance.terminals.values()) or instance.errors == 1
             else:
                 assert all(instance.terminals[i] == 1 for i in range(instance.n))
 
