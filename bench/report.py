@@ -31,8 +31,9 @@ def write_report(results: dict, stem: Path) -> str:
         "Closed loop; every target runs at every level in each round, in a shuffled order, "
         f"{results['settings'].get('rounds', 1)} rounds; figures are medians over the rounds "
         "(throughput range in brackets). Ratios are against the direct engine client at the "
-        "same concurrency, in the same run. Frontend CPU: the gateway process, vLLM's API server process, or the "
-        "benchmark process for the direct client (engine processes excluded).",
+        "same concurrency, in the same run. Frontend CPU: the gateway process, vLLM's API "
+        "server process, or the benchmark process for the direct client (engine processes "
+        "excluded).",
         "",
         "| target | conc | output tok/s | vs direct | req/s | TTFT p50 / p99 ms | "
         "ITL p50 / p99 ms | E2E p50 ms | CPU s / 1k tok | CPU vs direct | errors |",
