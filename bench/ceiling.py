@@ -215,10 +215,16 @@ async def measure_ceiling(quick: bool = True) -> dict:
             f"{row['tok_s_per_gateway_core'] or 0:9.0f} tok/s per gateway core",
             flush=True,
         )
-    result["latency"] = await _frame_latency(500 if quick else 3000)
+    frames = 500 if quick else 3000
+    lat = await _frame_latency(frames)
+    lat["transport_baseline"] = await _transport_baseline(frames)
+    lat["processing"] = _processing_time()
+    result["latency"] = lat
     print(
-        f"  ceiling added latency per frame: p50 {result['latency']['added_us_p50']:.0f} us  "
-        f"p99 {result['latency']['added_us_p99']:.0f} us",
+        f"  ceiling step->client per frame: p50 {lat['added_us_p50']:.0f} us, p99 "
+        f"{lat['added_us_p99']:.0f} us; bare zmq one-way p50 "
+        f"{lat['transport_baseline']['one_way_us_p50']:.0f} us; gateway processing "
+        f"{lat['processing']['us_per_frame']:.1f} us/frame",
         flush=True,
     )
     if has_profiler and profile.exists():

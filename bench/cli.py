@@ -132,6 +132,9 @@ def _merge(rounds: list[dict]) -> dict:
 async def _measure(
     target, workload: Workload, mode: str, level: float, count: int, salt: int
 ) -> dict:
+    if hasattr(target, "measure"):  # runs its own load loop (the direct driver process)
+        run, cpu_s = await target.measure(workload, mode, level, count, salt)
+        return summarize(run, cpu_s)
     reqs = workload.requests(count, salt=salt)
     cpu0 = target.frontend_cpu_s()
     if mode == "closed":
@@ -235,7 +238,7 @@ async def run(args: argparse.Namespace) -> dict:
         )
         await asyncio.gather(*(t.start() for t in targets))
         for target in targets:  # warm-up, not recorded
-            await closed_loop(target.stream, workload.requests(8, salt=999), 8)
+            await _measure(target, workload, "closed", 8, 8, salt=999)
         rows = await _interleaved(targets, workload, args, concurrency, rates)
     finally:
         for target in targets:

@@ -24,7 +24,7 @@ import psutil
 
 from client import AsyncClient, SamplingParams
 
-from .workload import RequestRecord
+from .workload import RequestRecord, RunResult, Workload
 
 __all__ = [
     "ENGINE_FLAGS",
@@ -378,8 +378,8 @@ class GrpcTarget:
         self.process.stop()
 
 
-class DirectTarget:
-    """vLLM's async engine-core client in this process: the floor, with no transport."""
+class InProcessDirectTarget:
+    """vLLM's async engine-core client in the calling process (see bench.direct_worker)."""
 
     name = "direct"
 
@@ -445,3 +445,77 @@ class DirectTarget:
                 await self._reader
         if self._engine is not None:
             await self._engine.aclose()
+
+
+class DirectTarget:
+    """The direct engine-core client, the floor with no transport, in its own process.
+
+    Frontend CPU is that driver process's (engine processes excluded), as in
+    shared/ANCHORS.md; it includes its load generator, as the other targets' do not.
+    """
+
+    name = "direct"
+
+    def __init__(self, model: str):
+        self.model = model
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log_path = Path(tempfile.mkdtemp(prefix="eg-bench-")) / "direct.log"
+
+    async def start(self) -> None:
+        self._log = open(self._log_path, "w")  # noqa: SIM115 - closed in stop()
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench.direct_worker",
+            self.model,
+            cwd=ROOT,
+            env=_env(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self._log,
+            limit=64 * 1024 * 1024,
+        )
+        await self._result()
+
+    async def _result(self) -> dict:
+        assert self._proc is not None and self._proc.stdout is not None
+        while True:
+            line = await self._proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"direct worker exited:\n{self._log_path.read_text()[-3000:]}")
+            if line.startswith(b"DIRECT_RESULT "):
+                return json.loads(line[len(b"DIRECT_RESULT ") :])
+
+    async def measure(
+        self, workload: Workload, mode: str, level: float, count: int, salt: int
+    ) -> tuple[RunResult, float]:
+        assert self._proc is not None and self._proc.stdin is not None
+        cmd = {
+            "op": "run",
+            "mode": mode,
+            "level": level,
+            "count": count,
+            "salt": salt,
+            "workload": {
+                "prompt_len": workload.prompt_len,
+                "output_len": workload.output_len,
+                "seed": workload.seed,
+            },
+        }
+        self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self._proc.stdin.drain()
+        result = await self._result()
+        records = [RequestRecord(**r) for r in result["records"]]
+        return RunResult(records, result["wall_s"]), result["cpu_s"]
+
+    async def stop(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.stdin.write(b'{"op": "stop"}\n')
+            with contextlib.suppress(Exception):
+                await self._proc.stdin.drain()
+            try:
+                await asyncio.wait_for(self._proc.wait(), 60)
+            except TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+        self._log.close()
