@@ -69,7 +69,14 @@ def _env() -> dict[str, str]:
 
 
 class _Process:
-    """A server subprocess whose log goes to a file; always stopped."""
+    """A server subprocess whose log goes to a file; always stopped.
+
+    It gets its own process group (so stop() can kill its engine processes too)
+    but stays in this session. With Linux's sched_autogroup (on by default), a
+    new session is a new scheduling group: the client here then competed, as a
+    group, with the server's busy-polling EngineCore for one core, and first
+    tokens arrived 100-250 ms late in bursts at concurrency 1.
+    """
 
     def __init__(self, argv: list[str], log_name: str):
         self.log_path = Path(tempfile.mkdtemp(prefix="eg-bench-")) / log_name
@@ -80,7 +87,7 @@ class _Process:
             stderr=subprocess.STDOUT,
             env=_env(),
             cwd=ROOT,
-            start_new_session=True,
+            process_group=0,  # killpg-able, same session: see the docstring
         )
 
     @property
