@@ -54,6 +54,7 @@ from .results import Accumulator, Completion
 __all__ = ["AsyncClient"]
 
 logger = logging.getLogger("engine_gateway.client")
+_YIELD_EVERY = 32  # frames read before the reader lets other tasks run
 
 
 class _Stream:
@@ -305,9 +306,15 @@ class AsyncClient:
     async def _reader(self) -> None:
         sock = self._sock
         assert sock is not None
+        received = 0
         while True:
             frames = await sock.recv_multipart()
             self._last_heard = time.monotonic()
+            received += 1
+            if received % _YIELD_EVERY == 0:
+                # Awaiting an already-received frame does not yield: under a steady
+                # stream this loop would starve the consumers and the heartbeat.
+                await asyncio.sleep(0)
             try:
                 msg = decode_server(frames)
             except ProtocolError as exc:

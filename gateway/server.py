@@ -39,6 +39,7 @@ _HOUSEKEEPING_S = 0.1
 # zmq drops (and disconnects) peers whose messages exceed this; the protocol
 # limit (max_frame_bytes) is checked ourselves, below this, to answer an Error.
 _HARD_MESSAGE_FACTOR = 4
+_YIELD_EVERY = 32  # inbound frames handled before the receive loop yields
 _BACKLOG_LIMIT = 100_000  # frames held for one slow consumer, at most
 
 
@@ -138,8 +139,14 @@ class Gateway:
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         table = self.table
         max_frame = self.limits.max_frame_bytes
+        received = 0
         while True:
             frames = await sock.recv_multipart()
+            received += 1
+            if received % _YIELD_EVERY == 0:
+                # A queued frame is returned without yielding: a flood would
+                # otherwise starve the output loop.
+                await asyncio.sleep(0)
             client_id = frames[0]
             now = time.monotonic()
             try:
@@ -166,6 +173,9 @@ class Gateway:
             for client_id, msg in table.on_step(outputs):
                 send(client_id, msg)
             observe(clock() - start)
+            # get_output() returns queued steps without yielding; under sustained load
+            # this keeps inbound frames (aborts, heartbeats) flowing between steps.
+            await asyncio.sleep(0)
 
     async def _housekeeping_loop(self) -> None:
         table = self.table
