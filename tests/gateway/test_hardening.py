@@ -366,3 +366,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def test_a_saturating_stream_does_not_starve_heartbeats():
+    # A gateway process on the fake engine steps as fast as it can; a client streaming
+    # flat out must still get its pings through, or its session would expire mid-stream.
+    import sys
+
+    from bench.targets import _Process
+    from client import AsyncClient
+
+    address = ipc_address("saturate")
+    server = _Process(
+        [sys.executable, "-m", "bench.fake_server", "--bind", address], "saturate.log"
+    )
+    try:
+        async with AsyncClient(address, heartbeat_interval_s=0.2, connect_timeout_s=30) as c:
+            start = time.monotonic()
+            sampling = SamplingParams(max_tokens=150_000, ignore_eos=True)
+            outs = 0
+            last = None
+            async for last in c.generate([10], sampling):  # noqa: B007 - the last one is kept
+                outs += 1
+            elapsed = time.monotonic() - start
+        assert last.finished.finish_reason is FinishReason.LENGTH, (last.finished, elapsed)
+        assert last.finished.output_tokens == 150_000 and outs == 150_000
+        assert elapsed > 0.6  # it outlived at least one heartbeat timeout
+    finally:
+        server.stop()
