@@ -190,12 +190,7 @@ class GatewayTarget:
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         try:
             async for out in self._client.generate(prompt, sampling):
-                now = time.monotonic()
-                if out.new_token_ids:
-                    if record.first_token is None:
-                        record.first_token = now
-                    record.token_times.append(now)
-                    record.output_tokens += len(out.new_token_ids)
+                record.got(len(out.new_token_ids))
         except Exception as exc:  # counted, not raised: a benchmark reports errors
             record.error = repr(exc)
         record.end = time.monotonic()
@@ -277,13 +272,7 @@ class HttpTarget:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
                     chunk = json.loads(line[6:])
-                    n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
-                    if n:
-                        now = time.monotonic()
-                        if record.first_token is None:
-                            record.first_token = now
-                        record.token_times.append(now)
-                        record.output_tokens += n
+                    record.got(sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ())))
         except Exception as exc:
             record.error = repr(exc)
         record.end = time.monotonic()
@@ -368,12 +357,7 @@ class GrpcTarget:
                     if not self.stream_mode
                     else ()
                 )
-                if tokens:
-                    now = time.monotonic()
-                    if record.first_token is None:
-                        record.first_token = now
-                    record.token_times.append(now)
-                    record.output_tokens += len(tokens)
+                record.got(len(tokens))
         except Exception as exc:
             record.error = repr(exc)
         record.end = time.monotonic()
@@ -432,12 +416,7 @@ class InProcessDirectTarget:
             )
             while True:
                 out = await queue.get()
-                now = time.monotonic()
-                if out.new_token_ids:
-                    if record.first_token is None:
-                        record.first_token = now
-                    record.token_times.append(now)
-                    record.output_tokens += len(out.new_token_ids)
+                record.got(len(out.new_token_ids))
                 if out.finish_reason is not None:
                     break
         finally:

@@ -45,6 +45,15 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # arrival time of each frame's tokens
     error: str | None = None
 
+    def got(self, n_tokens: int) -> None:
+        """Record a frame of ``n_tokens`` new tokens arriving now (frames with none are ignored)."""
+        if n_tokens:
+            now = time.monotonic()
+            if self.first_token is None:
+                self.first_token = now
+            self.token_times.append(now)
+            self.output_tokens += n_tokens
+
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.start

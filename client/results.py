@@ -25,12 +25,6 @@ class Completion:
     prompt_logprobs: Logprobs | None = None
 
 
-def _extend(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
-    if a is None or b is None:
-        return a or b
-    return Logprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
-
-
 @dataclass(slots=True)
 class Accumulator:
     """Folds a request's RequestOutputs into one Completion per sample."""
@@ -44,8 +38,8 @@ class Accumulator:
         """Fold one output in; returns the sample's Completion when it finished."""
         i = out.index
         self.token_ids.setdefault(i, []).extend(out.new_token_ids)
-        self.logprobs[i] = _extend(self.logprobs.get(i), out.logprobs)
-        self.prompt_logprobs[i] = _extend(self.prompt_logprobs.get(i), out.prompt_logprobs)
+        self.logprobs[i] = Logprobs.concat(self.logprobs.get(i), out.logprobs)
+        self.prompt_logprobs[i] = Logprobs.concat(self.prompt_logprobs.get(i), out.prompt_logprobs)
         fin: Finished | None = out.finished
         if fin is None:
             return None

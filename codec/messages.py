@@ -231,6 +231,17 @@ class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logprobs: list[list[float]]
     ranks: list[int]
 
+    @staticmethod
+    def concat(first: Logprobs | None, then: Logprobs | None) -> Logprobs | None:
+        """Rows of ``first`` followed by rows of ``then`` (either may be None)."""
+        if first is None or then is None:
+            return first or then
+        return Logprobs(
+            first.token_ids + then.token_ids,
+            first.logprobs + then.logprobs,
+            first.ranks + then.ranks,
+        )
+
 
 class Finished(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Present on exactly one RequestOutput per sample: the terminal one."""

@@ -139,12 +139,6 @@ class _Client:
     rate_updated: float = 0.0
 
 
-def _concat(a: Logprobs | None, b: Logprobs | None) -> Logprobs | None:
-    if a is None or b is None:
-        return a or b
-    return Logprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
-
-
 class SessionTable:
     """All sessions and live requests of one gateway. See the module docstring."""
 
@@ -480,8 +474,10 @@ class SessionTable:
                 sample.index,
             )
         sample.token_ids.extend(new_token_ids)
-        sample.logprobs = _concat(sample.logprobs, out.new_logprobs)
-        sample.prompt_logprobs = _concat(sample.prompt_logprobs, out.new_prompt_logprobs_tensors)
+        sample.logprobs = Logprobs.concat(sample.logprobs, out.new_logprobs)
+        sample.prompt_logprobs = Logprobs.concat(
+            sample.prompt_logprobs, out.new_prompt_logprobs_tensors
+        )
         if finished is None:
             return None
         self._retire(request, sample)

@@ -7,6 +7,7 @@ prompt ids, stop behaviour and validation match vLLM's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import subprocess
@@ -112,19 +113,9 @@ async def test_outputs_equal_offline_llm_generate(
     assert finished.stop_reason == want["stop_reason"]
     assert (finished.prompt_tokens, finished.output_tokens) == (len(prompt), len(tokens))
     if "logprobs" in sampling:
-        rows = [o.logprobs for o in outs if o.logprobs is not None]
-        merged = Logprobs(
-            [r for lp in rows for r in lp.token_ids],
-            [r for lp in rows for r in lp.logprobs],
-            [r for lp in rows for r in lp.ranks],
-        )
+        merged = functools.reduce(Logprobs.concat, [o.logprobs for o in outs], None)
         _assert_logprobs_match(merged, want["logprobs"])
-        prompt_rows = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
-        merged = Logprobs(
-            [r for lp in prompt_rows for r in lp.token_ids],
-            [r for lp in prompt_rows for r in lp.logprobs],
-            [r for lp in prompt_rows for r in lp.ranks],
-        )
+        merged = functools.reduce(Logprobs.concat, [o.prompt_logprobs for o in outs], None)
         _assert_logprobs_match(merged, expected["prompt_logprobs"])
         assert [ids[0] for ids in merged.token_ids] == prompt[1:]
 
