@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,12 +31,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 async def _throughput(streams: int, seconds: float, profile: Path | None) -> dict:
     address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/ceiling.sock"
-    argv = ["python", "-m", "bench.fake_server", "--bind", address]
+    argv = [sys.executable, "-m", "bench.fake_server", "--bind", address]
     if profile is not None:
         argv += ["--profile", str(profile)]
-    import sys
-
-    argv[0] = sys.executable
     server = _Process(argv, "fake-server.log")
     tokens = frames = 0
     try:
@@ -72,8 +70,6 @@ async def _throughput(streams: int, seconds: float, profile: Path | None) -> dic
 
 
 async def _frame_latency(frames: int) -> dict:
-    import sys
-
     workdir = Path(tempfile.mkdtemp(prefix="eg-"))
     address = f"ipc://{workdir}/latency.sock"
     times_path = workdir / "steps.txt"
@@ -112,7 +108,6 @@ async def _frame_latency(frames: int) -> dict:
 async def _transport_baseline(frames: int) -> dict:
     """One-way latency of a bare ROUTER → DEALER frame, same cadence and client loop."""
     import struct
-    import sys
 
     import zmq
     import zmq.asyncio

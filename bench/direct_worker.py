@@ -13,20 +13,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import sys
-
-import psutil
 
 from .targets import InProcessDirectTarget
 from .workload import Workload, closed_loop, open_loop
 
 PREFIX = "DIRECT_RESULT "
-
-
-def _cpu() -> float:
-    t = psutil.Process(os.getpid()).cpu_times()
-    return t.user + t.system
 
 
 async def main(model: str) -> None:
@@ -44,14 +36,14 @@ async def main(model: str) -> None:
             w = cmd["workload"]
             workload = Workload(tuple(w["prompt_len"]), tuple(w["output_len"]), seed=w["seed"])
             reqs = workload.requests(cmd["count"], salt=cmd["salt"])
-            cpu0 = _cpu()
+            cpu0 = target.frontend_cpu_s()
             if cmd["mode"] == "closed":
                 run = await closed_loop(target.stream, reqs, int(cmd["level"]))
             else:
                 run = await open_loop(target.stream, reqs, cmd["level"], seed=cmd["salt"])
             result = {
                 "wall_s": run.wall_s,
-                "cpu_s": _cpu() - cpu0,
+                "cpu_s": target.frontend_cpu_s() - cpu0,
                 "records": [dataclasses.asdict(r) for r in run.records],
             }
             print(PREFIX + json.dumps(result), flush=True)

@@ -136,6 +136,3 @@ class FakeEngine:
         """Simulate the engine process dying."""
         self._dead = True
         self._wakeup.set()
-
-    def is_dead(self) -> bool:
-        return self._dead

@@ -540,14 +540,17 @@ class SessionTable:
                 self._retire(request, sample)
         effects.replies.append((request.client_id, Error(request.request_id, code, message)))
 
-    def _end_client(self, client_id: bytes, effects: Effects) -> None:
-        """Abort every live request of a client and forget its session."""
-        client = self._clients.pop(client_id)
+    def _abort_client_requests(self, client: _Client, effects: Effects) -> None:
+        """End every live request of ``client`` with ABORT, in one Outputs frame."""
         terminals: list[RequestOutput] = []
         for request in list(client.requests.values()):
             self._finish_request(request, FinishReason.ABORT, terminals, effects.abort)
         if terminals:
-            effects.replies.append((client_id, Outputs(terminals)))
+            effects.replies.append((client.client_id, Outputs(terminals)))
+
+    def _end_client(self, client_id: bytes, effects: Effects) -> None:
+        """Abort every live request of a client and forget its session."""
+        self._abort_client_requests(self._clients.pop(client_id), effects)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -601,13 +604,9 @@ class SessionTable:
         if self.state is GatewayState.SERVING:
             self.state = GatewayState.DRAINING
 
-    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> Effects:
-        """End every live request now (drain deadline, shutdown)."""
+    def abort_all(self) -> Effects:
+        """End every live request now with ABORT (drain deadline, shutdown)."""
         effects = Effects()
         for client in self._clients.values():
-            terminals: list[RequestOutput] = []
-            for request in list(client.requests.values()):
-                self._finish_request(request, reason, terminals, effects.abort)
-            if terminals:
-                effects.replies.append((client.client_id, Outputs(terminals)))
+            self._abort_client_requests(client, effects)
         return effects

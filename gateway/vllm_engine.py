@@ -242,10 +242,6 @@ class VllmEngine:
         """Whether the engine still holds any request (vLLM's EngineCore.has_work)."""
         return bool(await self._client.call_utility_async("has_work"))
 
-    def is_dead(self) -> bool:
-        """Whether the engine process has failed."""
-        return bool(self._client.resources.engine_dead)
-
     # ------------------------------------------------------------ helpers
 
     def _check_token_ids(self, token_ids: Sequence[int], message: str) -> None:
