@@ -7,8 +7,14 @@ subclasses carrying the gateway's ErrorCode.
 
 from codec import ErrorCode, FinishReason, RequestOptions, RequestOutput, SamplingParams
 
-from .aio import AsyncClient
-from .errors import ClientError, GatewayUnavailable, RequestFailed, RequestOverloaded
+from .aio import AsyncClient, RequestStream
+from .errors import (
+    ClientError,
+    GatewayUnavailable,
+    RequestFailed,
+    RequestOverloaded,
+    SessionLost,
+)
 from .keys import load_client_keys
 from .results import Completion
 from .sync import Client
@@ -21,6 +27,8 @@ __all__ = [
     "RequestFailed",
     "RequestOverloaded",
     "GatewayUnavailable",
+    "SessionLost",
+    "RequestStream",
     "load_client_keys",
     "SamplingParams",
     "RequestOptions",

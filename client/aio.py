@@ -1,10 +1,14 @@
 """AsyncClient: many concurrent requests over one DEALER socket to a gateway.
 
 Rules: one reader task owns the socket's inbound side and routes each frame
-to the request or call waiting for it; a heartbeat task pings at the agreed
-interval and fails everything waiting when the gateway stays silent past the
-agreed timeout. Leaving a ``generate`` loop early, or cancelling the task that
-runs it, sends an Abort for that request. Depends on pyzmq and msgspec only.
+to the request or call waiting for it. A keeper task holds the session: it
+pings at the agreed interval, and when the gateway stays silent past the
+agreed timeout (or says it no longer knows this client) it fails everything
+in flight with the retryable SessionLost and says Hello again, with backoff,
+until a gateway answers. Calls made meanwhile wait for the new session up to
+``reconnect_timeout_s``. Leaving a ``generate`` loop early, cancelling the task
+that runs it, or dropping its stream sends an Abort for that request.
+Depends on pyzmq and msgspec only.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -35,6 +39,7 @@ from codec import (
     HealthReply,
     Hello,
     HelloAck,
+    Logprobs,
     ModelInfoReply,
     Outputs,
     Overloaded,
@@ -48,29 +53,158 @@ from codec import (
     encode_payload,
 )
 
-from .errors import GatewayUnavailable, RequestFailed, RequestOverloaded
+from .errors import (
+    ClientError,
+    GatewayUnavailable,
+    RequestFailed,
+    RequestOverloaded,
+    SessionLost,
+)
 from .results import Accumulator, Completion
 
-__all__ = ["AsyncClient"]
+__all__ = ["AsyncClient", "RequestStream"]
 
 logger = logging.getLogger("engine_gateway.client")
 _YIELD_EVERY = 32  # frames read before the reader lets other tasks run
+_RECONNECT_BACKOFF_S = (0.05, 2.0)  # first and largest pause between Hellos
+_KEPT_CONNECTION_ERRORS = 64
+_MAX_PENDING_OUTPUTS = 64  # per request; past it, a sample's new outputs merge into its last
+# Errors that mean the gateway no longer holds a session for this client.
+_SESSION_GONE = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SLOW_CONSUMER)
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output holding ``first`` then ``then`` (same request and sample)."""
+    return RequestOutput(
+        first.request_id,
+        first.new_token_ids + then.new_token_ids,
+        then.finished,
+        Logprobs.concat(first.logprobs, then.logprobs),
+        Logprobs.concat(first.prompt_logprobs, then.prompt_logprobs),
+        first.index,
+    )
+
+
+class _Slot:
+    __slots__ = ("item",)
+
+    def __init__(self, item: RequestOutput | BaseException):
+        self.item = item
 
 
 class _Stream:
-    """Inbound items of one live request: RequestOutputs, then maybe an exception."""
+    """Inbound items of one live request: RequestOutputs, then maybe an exception.
 
-    __slots__ = ("items", "wakeup", "samples_left", "abandoned")
+    Bounded: once ``_MAX_PENDING_OUTPUTS`` items wait, an output for a sample
+    whose last output is still unconsumed is merged into it (as vLLM's
+    RequestOutputCollector merges deltas), so a consumer that lags holds at
+    most that many items plus one per sample, whatever the request's length.
+    """
+
+    __slots__ = ("items", "open", "wakeup", "samples_left", "abandoned")
 
     def __init__(self, n: int):
-        self.items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self.items: collections.deque[_Slot] = collections.deque()
+        self.open: dict[int, _Slot] = {}  # sample index -> its last unconsumed, unfinished output
         self.wakeup = asyncio.Event()
         self.samples_left = n
         self.abandoned = False  # the consumer left; drop items until the terminal
 
     def push(self, item: RequestOutput | BaseException) -> None:
-        self.items.append(item)
+        if isinstance(item, RequestOutput):
+            slot = self.open.get(item.index)
+            if slot is not None and len(self.items) >= _MAX_PENDING_OUTPUTS:
+                slot.item = _merge(slot.item, item)  # type: ignore[arg-type]
+                if item.finished is not None:
+                    del self.open[item.index]
+                return
+            slot = _Slot(item)
+            if item.finished is None:
+                self.open[item.index] = slot
+            else:
+                self.open.pop(item.index, None)
+        else:
+            slot = _Slot(item)
+        self.items.append(slot)
         self.wakeup.set()
+
+    async def next(self) -> RequestOutput | BaseException:
+        while not self.items:
+            self.wakeup.clear()
+            await self.wakeup.wait()
+        slot = self.items.popleft()
+        item = slot.item
+        if isinstance(item, RequestOutput) and self.open.get(item.index) is slot:
+            del self.open[item.index]
+        return item
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator (what ``generate`` returns).
+
+    The Generate is sent when iteration starts. It ends after the request's
+    last terminal output, or raises the request's error. ``aclose()``, leaving
+    an ``async for`` early, cancelling the task iterating it, or dropping the
+    stream unfinished sends an Abort; the id stays reserved until its terminal.
+    """
+
+    def __init__(self, client: AsyncClient, message: Generate, n: int):
+        self.request_id = message.request_id
+        self._client = client
+        self._message = message
+        self._state = _Stream(n)
+        self._started = False
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        state = self._state
+        try:
+            if not self._started:
+                await self._client._start_request(self._message, state)
+                self._started = True
+            item = await state.next()
+        except BaseException:
+            if self._started:
+                self._abandon()
+            else:
+                self._done = True
+            raise
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finished is not None:
+            state.samples_left -= 1
+            if state.samples_left <= 0:
+                self._finish()
+        return item
+
+    async def aclose(self) -> None:
+        """Stop the request: abort it if it is still running."""
+        if self._started:
+            self._abandon()
+        self._done = True
+
+    def _finish(self) -> None:
+        self._done = True
+        streams = self._client._streams
+        if streams.get(self.request_id) is self._state:
+            del streams[self.request_id]
+
+    def _abandon(self) -> None:
+        if not self._done:
+            self._done = True
+            self._client._abandon(self.request_id, self._state)
+
+    def __del__(self) -> None:
+        if self._started and not self._done:
+            client = self._client
+            with contextlib.suppress(RuntimeError, AttributeError):  # loop closed
+                client._loop.call_soon_threadsafe(client._abandon, self.request_id, self._state)
 
 
 class AsyncClient:
@@ -84,33 +218,41 @@ class AsyncClient:
         heartbeat_interval_s: float = 1.0,
         identity: bytes | None = None,
         connect_timeout_s: float = 60.0,
+        reconnect_timeout_s: float = 30.0,
         context: zmq.asyncio.Context | None = None,
         curve_keys: tuple[bytes, bytes, bytes] | None = None,
     ):
-        """``curve_keys``: (server public, client public, client secret) Z85 keys."""
+        """``curve_keys``: (server public, client public, client secret) Z85 keys.
+
+        ``reconnect_timeout_s``: how long a call made while the session is down
+        waits for the client to open a new one before GatewayUnavailable (0: at once).
+        """
         self.address = address
         self.name = name
         self.identity = identity or b"c-" + os.urandom(8).hex().encode()
         self._heartbeat_wanted = heartbeat_interval_s
         self._connect_timeout_s = connect_timeout_s
+        self._reconnect_timeout_s = reconnect_timeout_s
         self._ctx = context or zmq.asyncio.Context.instance()
         self._curve_keys = curve_keys
         self._sock: zmq.asyncio.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
-        self._abort_waiters: collections.deque[asyncio.Future[AbortAck] | None] = (
-            collections.deque()
-        )
+        self._abort_waiters: dict[int, asyncio.Future[AbortAck]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._pongs: dict[int, asyncio.Future[Pong]] = {}
         self._call_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
-        self._hello: asyncio.Future[HelloAck] | None = None
+        self._session: asyncio.Event | None = None  # set while a session is open
+        self._first_session: asyncio.Future[HelloAck] | None = None
         self._last_heard = 0.0
         self._closed = False
-        self._failure: BaseException | None = None
         self.hello_ack: HelloAck | None = None
-        self.connection_errors: list[Error] = []
+        self.sessions_opened = 0
+        self.connection_errors: collections.deque[Error] = collections.deque(
+            maxlen=_KEPT_CONNECTION_ERRORS
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -122,7 +264,7 @@ class AsyncClient:
         await self.aclose()
 
     async def connect(self) -> HelloAck:
-        """Open the socket, send Hello and wait for the HelloAck."""
+        """Open the socket and the first session (Hello, HelloAck)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
@@ -134,13 +276,15 @@ class AsyncClient:
         sock.connect(self.address)
         self._sock = sock
         loop = asyncio.get_running_loop()
-        self._hello = loop.create_future()
+        self._loop = loop
+        self._session = asyncio.Event()
+        self._first_session = loop.create_future()
         self._last_heard = time.monotonic()
         self._tasks.append(loop.create_task(self._reader(), name="gateway-client-reader"))
         self._send(Hello(PROTOCOL_VERSION, self.name, self._heartbeat_wanted))
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                ack = await self._hello
+                ack = await self._first_session
         except TimeoutError:
             await self.aclose()
             raise GatewayUnavailable(
@@ -149,17 +293,16 @@ class AsyncClient:
         except BaseException:
             await self.aclose()
             raise
-        self.hello_ack = ack
-        self._tasks.append(loop.create_task(self._heartbeat(ack), name="gateway-client-heartbeat"))
+        self._tasks.append(loop.create_task(self._keeper(), name="gateway-client-keeper"))
         return ack
 
     async def aclose(self) -> None:
         """Abort this client's live requests, stop the tasks and close the socket."""
         if self._closed:
             return
-        self._closed = True
-        if self._sock is not None and self._streams and self.hello_ack is not None:
+        if self._sock is not None and self._streams and self.connected:
             self._send(Abort(None))
+        self._closed = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -169,12 +312,17 @@ class AsyncClient:
         if self._sock is not None:
             self._sock.close(linger=100)
 
+    @property
+    def connected(self) -> bool:
+        """Whether a session with the gateway is open now."""
+        return self._session is not None and self._session.is_set() and not self._closed
+
     # ------------------------------------------------------------ requests
 
     def new_request_id(self) -> str:
         return f"r{next(self._request_ids)}"
 
-    async def generate(
+    def generate(
         self,
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams | None = None,
@@ -182,49 +330,39 @@ class AsyncClient:
         stream: bool = True,
         request_id: str | None = None,
         options: RequestOptions | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's RequestOutputs as they arrive, ending after the last terminal.
+    ) -> RequestStream:
+        """Stream the request's RequestOutputs as they arrive: ``async for out in ...``.
 
-        Raises:
+        Iteration raises:
             RequestFailed: the gateway refused or failed the request (Error frame).
             RequestOverloaded: admission control refused it.
-            GatewayUnavailable: the gateway went silent, or the client closed.
+            SessionLost: the session ended while it ran (retryable).
+            GatewayUnavailable: no session within ``reconnect_timeout_s``, or closed.
         """
         sampling = sampling or SamplingParams()
         request_id = request_id or self.new_request_id()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is still live on this client")
         self._check_open()
-        stream_state = _Stream(sampling.n if sampling.n and sampling.n > 0 else 1)
-        self._streams[request_id] = stream_state
-        finished = False
-        try:
-            self._send(Generate(request_id, list(prompt_token_ids), stream, sampling, options))
-            while True:
-                while not stream_state.items:
-                    stream_state.wakeup.clear()
-                    await stream_state.wakeup.wait()
-                item = stream_state.items.popleft()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finished is not None:
-                    stream_state.samples_left -= 1
-                    if stream_state.samples_left <= 0:
-                        finished = True
-                        yield item
-                        return
-                yield item
-        finally:
-            if finished or self._closed:
-                self._streams.pop(request_id, None)
-            else:
-                # Left early (break, cancellation, exception): abort it, and keep
-                # the id reserved until its terminal output arrives.
-                stream_state.abandoned = True
-                stream_state.items.clear()
-                self._abort_waiters.append(None)
-                self._send(Abort([request_id]))
+        message = Generate(request_id, list(prompt_token_ids), stream, sampling, options)
+        return RequestStream(self, message, sampling.n if sampling.n and sampling.n > 0 else 1)
+
+    async def _start_request(self, message: Generate, state: _Stream) -> None:
+        await self._wait_session()
+        if message.request_id in self._streams:
+            raise ValueError(f"request id {message.request_id!r} is still live on this client")
+        self._streams[message.request_id] = state
+        self._send(message)
+
+    def _abandon(self, request_id: str, state: _Stream) -> None:
+        """The consumer left a live request: abort it; keep its id until the terminal."""
+        if self._streams.get(request_id) is not state:
+            return  # already ended (or its id reused after the terminal)
+        state.abandoned = True
+        state.items.clear()
+        state.open.clear()
+        if self.connected:
+            self._send(Abort([request_id]))  # call_id 0: nobody waits for this ack
+        else:
+            del self._streams[request_id]
 
     async def complete_samples(
         self,
@@ -259,11 +397,15 @@ class AsyncClient:
         return completion
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> AbortAck:
-        """Abort some (or, with None, all) of this client's requests; wait for the ack."""
-        self._check_open()
+        """Abort some (or, with None, all) of this client's requests; wait for the ack.
+
+        Raises RequestFailed when the gateway refuses the Abort itself (too many ids).
+        """
+        await self._wait_session()
+        call_id = next(self._call_ids)
         future: asyncio.Future[AbortAck] = asyncio.get_running_loop().create_future()
-        self._abort_waiters.append(future)
-        self._send(Abort(None if request_ids is None else list(request_ids)))
+        self._abort_waiters[call_id] = future
+        self._send(Abort(None if request_ids is None else list(request_ids), call_id))
         return await future
 
     async def ping(self) -> float:
@@ -291,13 +433,66 @@ class AsyncClient:
         self._send(message_type(call_id))
         return await future
 
-    # ------------------------------------------------------------ plumbing
+    # ------------------------------------------------------------ session
 
     def _check_open(self) -> None:
         if self._closed or self._sock is None:
             raise GatewayUnavailable("client is closed")
-        if self._failure is not None:
-            raise self._failure
+
+    async def _wait_session(self) -> None:
+        self._check_open()
+        session = self._session
+        assert session is not None
+        if session.is_set():
+            return
+        try:
+            async with asyncio.timeout(self._reconnect_timeout_s):
+                await session.wait()
+        except TimeoutError:
+            raise GatewayUnavailable(
+                f"no session with the gateway at {self.address} within"
+                f" {self._reconnect_timeout_s}s (it is being re-opened)"
+            ) from None
+        self._check_open()
+
+    def _on_session_lost(self, why: str, fail_in_flight: bool = True) -> None:
+        """The gateway holds no session for us: the keeper says Hello again.
+
+        Everything in flight fails with SessionLost, unless the gateway still
+        sends each request its own terminal Error (``fail_in_flight`` off).
+        """
+        session = self._session
+        if session is None or not session.is_set():
+            return
+        logger.warning("session with %s lost: %s; reconnecting", self.address, why)
+        session.clear()
+        if fail_in_flight:
+            self._fail_all(SessionLost(f"session with the gateway at {self.address} lost: {why}"))
+
+    async def _keeper(self) -> None:
+        """Heartbeats while a session is open; Hello with backoff while it is not."""
+        session = self._session
+        assert session is not None
+        nonces = itertools.count(1 << 62)
+        backoff = _RECONNECT_BACKOFF_S[0]
+        while True:
+            ack = self.hello_ack
+            assert ack is not None
+            if session.is_set():
+                backoff = _RECONNECT_BACKOFF_S[0]
+                await asyncio.sleep(ack.heartbeat_interval_s)
+                self._send(Ping(next(nonces)))
+                silent = time.monotonic() - self._last_heard
+                if silent > ack.heartbeat_timeout_s:
+                    self._on_session_lost(f"gateway silent for {silent:.1f}s")
+                continue
+            self._send(Hello(PROTOCOL_VERSION, self.name, self._heartbeat_wanted))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await session.wait()
+            backoff = min(backoff * 2, _RECONNECT_BACKOFF_S[1])
+
+    # ------------------------------------------------------------ plumbing
 
     def _send(self, msg: Any) -> None:
         assert self._sock is not None
@@ -318,7 +513,9 @@ class AsyncClient:
             try:
                 msg = decode_server(frames)
             except ProtocolError as exc:
-                logger.warning("unreadable frame from gateway: %s", exc)
+                # A newer gateway's message this client does not know: ignore it.
+                level = logging.DEBUG if exc.code is ErrorCode.UNKNOWN_MESSAGE else logging.WARNING
+                logger.log(level, "unreadable frame from gateway: %s", exc)
                 continue
             if type(msg) is Outputs:
                 self._on_outputs(msg)
@@ -344,14 +541,15 @@ class AsyncClient:
         if kind is Error:
             self._on_error(msg)
         elif kind is Overloaded:
-            self._end_stream(
-                msg.request_id,
-                RequestOverloaded(
-                    msg.request_id, msg.limit, msg.limit_value, msg.current, msg.message
-                ),
+            exc = RequestOverloaded(
+                msg.request_id, msg.limit, msg.limit_value, msg.current, msg.message
             )
+            if msg.limit == "max_clients" and not self.connected:
+                self._on_hello_refused(exc)
+            else:
+                self._end_stream(msg.request_id, exc)
         elif kind is AbortAck:
-            waiter = self._abort_waiters.popleft() if self._abort_waiters else None
+            waiter = self._abort_waiters.pop(msg.call_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
         elif kind is Pong:
@@ -359,28 +557,62 @@ class AsyncClient:
             if future is not None and not future.done():
                 future.set_result(msg)
         elif kind is HelloAck:
-            if self._hello is not None and not self._hello.done():
-                self._hello.set_result(msg)
+            self._on_hello_ack(msg)
         elif kind in (ModelInfoReply, HealthReply):
             future = self._calls.pop(msg.call_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)
 
+    def _on_hello_ack(self, ack: HelloAck) -> None:
+        session = self._session
+        assert session is not None
+        if session.is_set():
+            return  # an answer to a Hello sent twice while reconnecting
+        self.hello_ack = ack
+        self.sessions_opened += 1
+        self._last_heard = time.monotonic()
+        session.set()
+        if self._first_session is not None and not self._first_session.done():
+            self._first_session.set_result(ack)
+
+    def _on_hello_refused(self, exc: BaseException) -> None:
+        """The first Hello was refused: connect() raises it; later ones are retried."""
+        if self._first_session is not None and not self._first_session.done():
+            self._first_session.set_exception(exc)
+        else:
+            logger.warning("Hello refused while reconnecting: %s", exc)
+
     def _on_error(self, msg: Error) -> None:
-        exc = RequestFailed(msg.request_id, msg.code, msg.message)
-        # DUPLICATE_REQUEST_ID refers to a refused new Generate, not to the live request.
-        if (
+        exc: ClientError = RequestFailed(msg.request_id, msg.code, msg.message)
+        session_gone = msg.code in _SESSION_GONE
+        why = f"[{msg.code.name}] {msg.message}"
+        waiter = self._abort_waiters.pop(msg.call_id, None) if msg.call_id else None
+        if waiter is not None:
+            if not waiter.done():
+                waiter.set_exception(exc)
+        elif (
             msg.request_id is not None
             and msg.request_id in self._streams
+            # DUPLICATE_REQUEST_ID refers to a refused new Generate, not to the live one.
             and msg.code is not ErrorCode.DUPLICATE_REQUEST_ID
         ):
+            if msg.code is ErrorCode.HANDSHAKE_REQUIRED:
+                # The gateway no longer knows this client (it restarted, or the session
+                # expired): the request was never accepted, and a retry is safe.
+                exc = SessionLost(
+                    f"request {msg.request_id!r} reached a gateway that holds no session"
+                    f" for this client: {msg.message}"
+                )
             self._end_stream(msg.request_id, exc)
-            return
-        self.connection_errors.append(msg)
-        if self._hello is not None and not self._hello.done():
-            self._hello.set_exception(exc)
         else:
-            logger.warning("gateway error: %s", exc)
+            self.connection_errors.append(msg)
+            if msg.code is ErrorCode.UNSUPPORTED_VERSION and not self.connected:
+                self._on_hello_refused(exc)
+            elif not session_gone:
+                logger.warning("gateway error: %s", exc)
+        if session_gone:
+            # After SLOW_CONSUMER each live request still gets its own Error: let them come.
+            self._on_session_lost(why, fail_in_flight=msg.code is ErrorCode.HANDSHAKE_REQUIRED)
 
     def _end_stream(self, request_id: str, exc: BaseException) -> None:
         state = self._streams.get(request_id)
@@ -391,26 +623,14 @@ class AsyncClient:
         else:
             state.push(exc)
 
-    async def _heartbeat(self, ack: HelloAck) -> None:
-        interval = ack.heartbeat_interval_s
-        timeout = ack.heartbeat_timeout_s
-        nonces = itertools.count(1 << 62)
-        while True:
-            await asyncio.sleep(interval)
-            self._send(Ping(next(nonces)))
-            if time.monotonic() - self._last_heard > timeout:
-                self._fail_all(
-                    GatewayUnavailable(
-                        f"gateway at {self.address} silent for more than {timeout:.1f}s"
-                    )
-                )
-
     def _fail_all(self, exc: GatewayUnavailable) -> None:
-        self._failure = exc
-        for request_id in list(self._streams):
-            self._end_stream(request_id, exc)
-        for future in [*self._calls.values(), *self._pongs.values(), *self._abort_waiters]:
-            if future is not None and not future.done():
+        """End every stream and call with ``exc``; their ids are free again at once."""
+        streams, self._streams = self._streams, {}
+        for state in streams.values():
+            if not state.abandoned:
+                state.push(exc)
+        for future in [*self._calls.values(), *self._pongs.values(), *self._abort_waiters.values()]:
+            if not future.done():
                 future.set_exception(exc)
         self._calls.clear()
         self._pongs.clear()

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from codec import ErrorCode
 
-__all__ = ["ClientError", "RequestFailed", "RequestOverloaded", "GatewayUnavailable"]
+__all__ = [
+    "ClientError",
+    "RequestFailed",
+    "RequestOverloaded",
+    "GatewayUnavailable",
+    "SessionLost",
+]
 
 
 class ClientError(Exception):
@@ -33,4 +39,18 @@ class RequestOverloaded(ClientError):
 
 
 class GatewayUnavailable(ClientError):
-    """No answer from the gateway within the heartbeat timeout, or the client is closed."""
+    """No session with the gateway: none within the wait allowed, or the client is closed."""
+
+    retryable = False
+
+
+class SessionLost(GatewayUnavailable):
+    """The session ended while this request or call was in flight; retrying is safe.
+
+    The gateway went silent past the heartbeat timeout (it died or restarted),
+    or it no longer knew this client (its session expired). A request that was
+    in flight was aborted by the gateway or died with it. The client opens a
+    new session by itself; a retry waits for it.
+    """
+
+    retryable = True

@@ -12,6 +12,7 @@ from .framing import (
     decode_server,
     encode,
     encode_payload,
+    prompt_too_long,
 )
 from .messages import (
     PROTOCOL_VERSION,
@@ -52,6 +53,7 @@ __all__ = [
     "encode_payload",
     "decode_client",
     "decode_server",
+    "prompt_too_long",
     "TokenId",
     "FinishReason",
     "ErrorCode",

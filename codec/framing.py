@@ -26,6 +26,7 @@ from .messages import (
 
 __all__ = [
     "VERSION_FRAME",
+    "prompt_too_long",
     "DEFAULT_MAX_FRAME_BYTES",
     "encode",
     "encode_payload",
@@ -78,16 +79,32 @@ def _check_frames(frames: Sequence[Buffer], max_frame_bytes: int) -> Buffer:
     return payload
 
 
+def prompt_too_long(prompt_tokens: int, max_prompt_tokens: int) -> str:
+    """The refusal message for a prompt over ``max_prompt_tokens`` (one wording everywhere)."""
+    return f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens ({max_prompt_tokens})"
+
+
 def decode_client(
-    frames: Sequence[Buffer], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    frames: Sequence[Buffer],
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    max_prompt_tokens: int | None = None,
 ) -> ClientMessage:
     """Decode a client's frames (identity already removed) into a ClientMessage.
+
+    With ``max_prompt_tokens``, a Generate whose prompt array is longer is
+    refused from its first bytes, before the costly decode of the whole frame.
 
     Raises:
         ProtocolError: the peer's fault; its ``code`` says which rule broke and
             ``request_id`` is set when the bad message was a readable Generate.
     """
     payload = _check_frames(frames, max_frame_bytes)
+    if max_prompt_tokens is not None and len(payload) > max_prompt_tokens:
+        head = _peek_generate_head(payload)
+        if head is not None and head[1] > max_prompt_tokens:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST, prompt_too_long(head[1], max_prompt_tokens), head[0]
+            )
     try:
         return _client_decoder.decode(payload)
     except msgspec.ValidationError as exc:
@@ -162,6 +179,59 @@ def _defaults(cls: type[msgspec.Struct]) -> list[bool]:
     """For each field of ``cls``, whether it is required (has no default)."""
     n_required = len(cls.__struct_fields__) - len(cls.__struct_defaults__)
     return [True] * n_required + [False] * len(cls.__struct_defaults__)
+
+
+_GENERATE_TAG = Generate.__struct_config__.tag
+
+
+def _peek_generate_head(payload: Buffer) -> tuple[str, int] | None:
+    """(request_id, prompt length) read from a Generate's first bytes, or None.
+
+    Reads only msgpack headers: the array, the tag, the request id string and
+    the prompt array's length. Anything unexpected returns None, and the full
+    decode then reports the problem as usual.
+    """
+    data = memoryview(payload)
+    if len(data) < 4:
+        return None
+    first = data[0]
+    if 0x90 <= first <= 0x9F:
+        pos = 1
+    elif first == 0xDC:
+        pos = 3
+    elif first == 0xDD:
+        pos = 5
+    else:
+        return None
+    if data[pos] != _GENERATE_TAG:
+        return None
+    pos += 1
+    kind = data[pos]
+    if 0xA0 <= kind <= 0xBF:
+        size, pos = kind & 0x1F, pos + 1
+    elif kind == 0xD9:
+        size, pos = data[pos + 1], pos + 2
+    elif kind == 0xDA:
+        size, pos = int.from_bytes(data[pos + 1 : pos + 3], "big"), pos + 3
+    else:
+        return None
+    try:
+        request_id = bytes(data[pos : pos + size]).decode()
+    except UnicodeDecodeError:
+        return None
+    pos += size
+    if pos >= len(data):
+        return None
+    kind = data[pos]
+    if 0x90 <= kind <= 0x9F:
+        length = kind & 0x0F
+    elif kind == 0xDC:
+        length = int.from_bytes(data[pos + 1 : pos + 3], "big")
+    elif kind == 0xDD:
+        length = int.from_bytes(data[pos + 1 : pos + 5], "big")
+    else:
+        return None
+    return request_id, length
 
 
 def _peek(payload: Buffer) -> Any:

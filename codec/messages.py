@@ -55,7 +55,30 @@ TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
-class FinishReason(enum.IntEnum):
+class _OpenIntEnum(enum.IntEnum):
+    """An IntEnum that decodes values it does not know instead of refusing the frame.
+
+    A newer gateway may add codes and reasons (PROTOCOL.md §12): an unknown
+    value becomes a pseudo-member named ``UNKNOWN_<value>`` that compares
+    equal to its int, so the frame carrying it is still delivered.
+    """
+
+    @classmethod
+    def _missing_(cls, value: object) -> _OpenIntEnum | None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return None
+        member = int.__new__(cls, value)
+        member._name_ = f"UNKNOWN_{value}"
+        member._value_ = value
+        return member
+
+    @property
+    def known(self) -> bool:
+        """False for a value this version of the codec does not know."""
+        return self._name_ in type(self).__members__
+
+
+class FinishReason(_OpenIntEnum):
     """Why a request (or one of its samples) ended; vLLM's integer values."""
 
     STOP = 0  # EOS or a stop token id
@@ -65,7 +88,7 @@ class FinishReason(enum.IntEnum):
     REPETITION = 4  # vLLM's repetition detection stopped it
 
 
-class ErrorCode(enum.IntEnum):
+class ErrorCode(_OpenIntEnum):
     """Every error that reaches a client carries one of these (PROTOCOL.md, Errors)."""
 
     # Frame-level: the peer's bytes could not be read as a message.
@@ -171,6 +194,7 @@ class Abort(_ClientBase, tag=3):
     """Abort some or all of this client's live requests."""
 
     request_ids: list[str] | None = None  # None: every live request of this client
+    call_id: int = 0  # echoed in the AbortAck, or in the Error refusing this Abort
 
 
 class Ping(_ClientBase, tag=4):
@@ -217,6 +241,7 @@ class Limits(msgspec.Struct, frozen=True, gc=False):
     max_queued_requests: int = 0
     max_request_rate_per_client: float = 0.0  # 0: unlimited
     client_send_hwm: int = 0
+    max_clients: int = 0  # sessions at once; 0: unlimited
 
 
 class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -287,6 +312,7 @@ class Error(_ServerBase, tag=66):
     request_id: str | None
     code: ErrorCode
     message: str
+    call_id: int | None = None  # the call (e.g. an Abort) this Error answers, if any
 
 
 class AbortAck(_ServerBase, tag=67):
@@ -294,6 +320,7 @@ class AbortAck(_ServerBase, tag=67):
 
     aborted: list[str]  # were live; each got a terminal output with reason ABORT
     unknown: list[str]  # unknown, or already finished: nothing happened
+    call_id: int = 0  # the Abort's call_id
 
 
 class Pong(_ServerBase, tag=68):

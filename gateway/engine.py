@@ -83,7 +83,12 @@ class Engine(Protocol):
         ...
 
     async def add_requests(self, prepared: Sequence[PreparedRequest]) -> None:
-        """Submit prepared requests. Raises EngineDead."""
+        """Submit prepared requests, in order.
+
+        Raises:
+            SubmitFailed: one request could not be submitted (the engine is alive).
+            EngineDead: the engine process is gone.
+        """
         ...
 
     async def abort_requests(self, engine_request_ids: Sequence[str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from codec import ErrorCode
 
-__all__ = ["GatewayError", "RequestRejected", "EngineDead"]
+__all__ = ["GatewayError", "RequestRejected", "SubmitFailed", "EngineDead"]
 
 
 class GatewayError(Exception):
@@ -23,6 +23,18 @@ class RequestRejected(GatewayError):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST):
         super().__init__(message)
         self.code = code
+
+
+class SubmitFailed(GatewayError):
+    """Submitting one prepared request to a live engine failed; that request alone fails.
+
+    Requests before it in the same ``add_requests`` call were submitted; those
+    after it were not.
+    """
+
+    def __init__(self, engine_request_id: str, message: str):
+        super().__init__(message)
+        self.engine_request_id = engine_request_id
 
 
 class EngineDead(GatewayError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from codec import Generate
 
 from .engine import EngineInfo, sample_engine_request_id
-from .errors import EngineDead, RequestRejected
+from .errors import EngineDead, RequestRejected, SubmitFailed
 
 __all__ = ["FakeEngine", "FakeOutput", "FakePrepared"]
 
@@ -55,6 +55,7 @@ class FakeEngine:
     added: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     step_times: list[float] | None = None  # when a list: monotonic time of each step
+    fail_submits: int = 0  # the next this many add_requests calls fail their first request
 
     def prepare(self, engine_request_id: str, request: Generate) -> list[FakePrepared]:
         prompt = request.prompt_token_ids
@@ -66,6 +67,10 @@ class FakeEngine:
         n = sampling.n if sampling.n is not None else 1
         if n < 1:
             raise RequestRejected(f"n must be at least 1, got {n}.")
+        if n > self.info.max_num_seqs:
+            raise RequestRejected(
+                f"n must be at most the engine's max_num_seqs ({self.info.max_num_seqs}), got {n}."
+            )
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.info.max_model_len - len(prompt)
@@ -85,6 +90,9 @@ class FakeEngine:
     async def add_requests(self, prepared: Sequence[FakePrepared]) -> None:
         if self._dead:
             raise EngineDead("the fake engine was killed")
+        if self.fail_submits and prepared:
+            self.fail_submits -= 1
+            raise SubmitFailed(prepared[0].request_id, "the fake engine refused to submit it")
         for p in prepared:
             self._live[p.request_id] = p
             self.added.append(p.request_id)

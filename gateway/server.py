@@ -25,7 +25,7 @@ from codec.framing import encode_payload
 
 from .auth import CurveConfig
 from .engine import Engine
-from .errors import EngineDead
+from .errors import EngineDead, SubmitFailed
 from .metrics import StepHistogram
 from .sessions import Effects, GatewayLimits, SessionTable
 
@@ -40,7 +40,10 @@ _HOUSEKEEPING_S = 0.1
 # limit (max_frame_bytes) is checked ourselves, below this, to answer an Error.
 _HARD_MESSAGE_FACTOR = 4
 _YIELD_EVERY = 32  # inbound frames handled before the receive loop yields
-_BACKLOG_LIMIT = 100_000  # frames held for one slow consumer, at most
+_YIELD_AFTER_S = 0.002  # ...or this much time holding the event loop, whichever first
+# While a slow consumer is owed frames, replies to what it sends meanwhile (pongs,
+# refusals) are held up to this many; every frame owed before that is always held.
+_BACKLOG_EXTRA_REPLIES = 1024
 
 
 class Gateway:
@@ -53,6 +56,7 @@ class Gateway:
         limits: GatewayLimits = GatewayLimits(),
         *,
         drain_timeout_s: float = 30.0,
+        engine_dead_grace_s: float = 1.0,
         gateway_version: str = "0",
         context: zmq.asyncio.Context | None = None,
         curve: CurveConfig | None = None,
@@ -61,6 +65,7 @@ class Gateway:
         self.limits = limits
         self.binds = [bind] if isinstance(bind, str) else list(bind)
         self.drain_timeout_s = drain_timeout_s
+        self.engine_dead_grace_s = engine_dead_grace_s
         self.table = SessionTable(engine.info, engine.prepare, limits, gateway_version)
         self.addresses: list[str] = []
         self.ready = asyncio.Event()
@@ -70,9 +75,12 @@ class Gateway:
         self._sock: zmq.asyncio.Socket | None = None
         self._stop = asyncio.Event()
         self._drain_deadline: float | None = None
+        self._exit_at: float | None = None  # engine died: refusals until then, then exit
         self._pending_aborts: list[str] = []
-        # Frames for clients whose pipe was full (slow consumers), retried each tick.
+        # Frames owed to slow consumers (their pipe was full), retried each tick, and
+        # how many later replies were held or dropped for each of them.
         self._backlog: dict[bytes, collections.deque[list[bytes]]] = {}
+        self._backlog_extra: collections.Counter[bytes] = collections.Counter()
         self._curve = curve
         self.frames_sent = 0
         self.frames_dropped = 0
@@ -139,23 +147,34 @@ class Gateway:
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         table = self.table
         max_frame = self.limits.max_frame_bytes
+        max_prompt = table.wire_limits.max_prompt_tokens
+        clock = time.perf_counter
         received = 0
+        held_since = clock()
         while True:
             frames = await sock.recv_multipart()
             received += 1
-            if received % _YIELD_EVERY == 0:
-                # A queued frame is returned without yielding: a flood would
-                # otherwise starve the output loop.
+            if received % _YIELD_EVERY == 0 or clock() - held_since > _YIELD_AFTER_S:
+                # A queued frame is returned without yielding: a flood, or a few
+                # large frames, would otherwise starve the output loop and heartbeats.
                 await asyncio.sleep(0)
+                held_since = clock()
             client_id = frames[0]
             now = time.monotonic()
             try:
-                msg = decode_client(frames[1:], max_frame)
-            except ProtocolError as exc:
-                effects = table.on_protocol_error(client_id, exc, now)
-            else:
-                effects = table.on_message(client_id, msg, now)
-            await self._apply(effects)
+                try:
+                    msg = decode_client(frames[1:], max_frame, max_prompt)
+                except ProtocolError as exc:
+                    effects = table.on_protocol_error(client_id, exc, now)
+                else:
+                    effects = table.on_message(client_id, msg, now)
+                await self._apply(effects)
+            except Exception as exc:  # a bug: answer this frame, keep serving everyone
+                logger.exception("handling a frame from %r failed", client_id)
+                self._send(
+                    client_id,
+                    Error(None, ErrorCode.INTERNAL, f"the gateway failed on this frame: {exc!r}"),
+                )
 
     async def _output_loop(self) -> None:
         engine = self.engine
@@ -187,8 +206,11 @@ class Gateway:
                 self._flush_backlogs()
             if self._pending_aborts:
                 aborts, self._pending_aborts = self._pending_aborts, []
-                await self.engine.abort_requests(aborts)
-            if self._drain_deadline is not None:
+                await self._abort_in_engine(aborts)
+            if self._exit_at is not None:
+                if now >= self._exit_at:
+                    self.stop(EXIT_ENGINE_DEAD)
+            elif self._drain_deadline is not None:
                 if table.live_requests == 0:
                     logger.info("drained: no live requests left")
                     self.stop(self.exit_code)
@@ -203,37 +225,53 @@ class Gateway:
         for client_id, msg in effects.replies:
             self._send(client_id, msg)
         if effects.submit:
+            await self._submit(effects.submit)
+        if effects.abort:
+            await self._abort_in_engine(effects.abort)
+
+    async def _submit(self, prepared: Sequence) -> None:
+        """Submit to the engine; a request that fails to submit fails alone."""
+        table = self.table
+        while prepared:
             try:
-                await self.engine.add_requests(effects.submit)
+                await self.engine.add_requests(prepared)
+                return
             except EngineDead as exc:
                 self._on_engine_dead(exc.message)
                 return
-        if effects.abort:
-            await self.engine.abort_requests(effects.abort)
+            except SubmitFailed as exc:
+                logger.error("submitting %s failed: %s", exc.engine_request_id, exc.message)
+                await self._apply(table.on_submit_failed(exc.engine_request_id, exc.message))
+                prepared = [p for p in prepared if table.is_live(p.request_id)]
+
+    async def _abort_in_engine(self, engine_request_ids: list[str]) -> None:
+        try:
+            await self.engine.abort_requests(engine_request_ids)
+        except EngineDead as exc:
+            self._on_engine_dead(exc.message)
 
     def _send(self, client_id: bytes, msg: ServerMessage) -> None:
         if type(msg) is Error:
             self.errors_by_code[msg.code] += 1
         frames = [client_id, VERSION_FRAME, encode_payload(msg)]
         backlog = self._backlog.get(client_id)
-        if backlog is not None:  # keep order behind what is already waiting
-            self._queue_backlog(client_id, backlog, frames)
+        if backlog is not None:  # keep order behind what is already owed
+            self._queue_reply(client_id, backlog, frames)
             return
         exc = self._try_send(frames)
         if exc is None:
             return
         if isinstance(exc, zmq.Again):
             # The client's pipe is full (client_send_hwm frames): it is not reading.
-            # End its requests; their terminal Errors wait in a bounded backlog.
-            self.frames_dropped += 1
-            self._backlog[client_id] = collections.deque()
-            effects = self.table.on_slow_consumer(client_id)
+            # Keep this frame and everything the table now owes it, in order.
+            self._backlog[client_id] = collections.deque([frames])
+            effects = self.table.on_send_blocked(client_id)
             self._pending_aborts.extend(effects.abort)
             logger.warning(
                 "client %r is not reading; ended %d requests", client_id, len(effects.replies)
             )
-            for reply_client, reply in effects.replies:
-                self._send(reply_client, reply)
+            for _, reply in effects.replies:
+                self._backlog[client_id].append([client_id, VERSION_FRAME, encode_payload(reply)])
         elif isinstance(exc, zmq.ZMQError) and exc.errno == errno.EHOSTUNREACH:
             # The client is gone: stop spending engine time on it (the
             # housekeeping loop tells the engine within one tick).
@@ -253,14 +291,16 @@ class Gateway:
             self.frames_sent += 1
         return exc
 
-    def _queue_backlog(self, client_id: bytes, backlog: collections.deque, frames: list) -> None:
-        if len(backlog) >= _BACKLOG_LIMIT:
-            self.frames_dropped += 1  # a client this far behind gets its terminals, not more
+    def _queue_reply(self, client_id: bytes, backlog: collections.deque, frames: list) -> None:
+        """A frame for a slow consumer made after it blocked: a reply to what it sent since."""
+        self._backlog_extra[client_id] += 1
+        if self._backlog_extra[client_id] > _BACKLOG_EXTRA_REPLIES:
+            self.frames_dropped += 1  # no request is live for it: nothing terminal is lost
             return
         backlog.append(frames)
 
     def _flush_backlogs(self) -> None:
-        """Retry frames for slow consumers; give up on clients that left."""
+        """Deliver frames owed to slow consumers; forget clients that left."""
         for client_id, backlog in list(self._backlog.items()):
             while backlog:
                 exc = self._try_send(backlog[0])
@@ -273,15 +313,23 @@ class Gateway:
                     backlog.clear()
             if not backlog:
                 del self._backlog[client_id]
+                dropped = self._backlog_extra.pop(client_id, 0) - _BACKLOG_EXTRA_REPLIES
+                if dropped > 0:
+                    logger.warning(
+                        "client %r: %d replies dropped while it was not reading", client_id, dropped
+                    )
+                self.table.on_send_unblocked(client_id)
 
     def _on_engine_dead(self, message: str) -> None:
-        if self.exit_code == EXIT_ENGINE_DEAD:
+        if self._exit_at is not None:
             return
         logger.error(
-            "engine died: %s; ending %d live requests and exiting",
+            "engine died: %s; ending %d live requests, refusing new ones for %.1fs, then exiting",
             message,
             self.table.live_requests,
+            self.engine_dead_grace_s,
         )
+        self.exit_code = EXIT_ENGINE_DEAD
+        self._exit_at = time.monotonic() + self.engine_dead_grace_s
         for client_id, msg in self.table.on_engine_dead(f"engine died: {message}").replies:
             self._send(client_id, msg)
-        self.stop(EXIT_ENGINE_DEAD)

@@ -11,11 +11,17 @@ Rules (this is the one place they live):
   and the request leaves the table when its last sample's terminal is produced.
   Engine outputs for ids no longer in the table are dropped, so nothing is ever
   sent for a request after its terminal output, even when outputs race an abort.
+- Every way a request ends (engine finish aside) goes through ``_end_requests``,
+  which takes the samples to end and why; callers only choose which and why.
+- A client whose send pipe is full (the server reports it) is a slow consumer:
+  its requests end with SLOW_CONSUMER and it may not open a new session until
+  the frames already owed to it were delivered (``on_send_unblocked``).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +53,7 @@ from codec import (
     ProtocolError,
     RequestOutput,
     ServerMessage,
+    prompt_too_long,
 )
 
 from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_request_id
@@ -55,7 +62,7 @@ from .errors import RequestRejected
 __all__ = ["GatewayLimits", "GatewayState", "Effects", "SessionTable", "Reply"]
 
 Reply = tuple[bytes, ServerMessage]
-_ENGINE_IDS = itertools.count(1)
+logger = logging.getLogger("engine_gateway")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,7 @@ class GatewayLimits:
     max_request_rate_per_client: float = 0.0  # Generates per second; 0: unlimited
     request_rate_burst: int = 256
     client_send_hwm: int = 10_000  # frames queued to one client before it is a slow consumer
+    max_clients: int = 4096  # sessions at once (and slow consumers still owed frames)
     default_heartbeat_interval_s: float = 5.0
     min_heartbeat_interval_s: float = 0.05
     max_heartbeat_interval_s: float = 300.0
@@ -85,6 +93,7 @@ class TableStats:
     output_tokens: int = 0
     aborted_by_client: int = 0
     clients_expired: int = 0
+    slow_consumers: int = 0
     finished: Counter[str] = field(default_factory=Counter)  # by FinishReason name
     overloaded: Counter[str] = field(default_factory=Counter)  # by limit name
 
@@ -155,6 +164,9 @@ class SessionTable:
         self._prepare = prepare
         self._gateway_version = gateway_version
         self._clients: dict[bytes, _Client] = {}
+        # Slow consumers whose owed frames are not delivered yet: no new session.
+        self._blocked: set[bytes] = set()
+        self._engine_ids = itertools.count(1)
         self._by_engine_id: dict[str, tuple[_Request, _Sample]] = {}
         self._live_requests = 0
         self._live_samples = 0
@@ -176,6 +188,7 @@ class SessionTable:
             max_queued_requests=limits.max_queued_requests,
             max_request_rate_per_client=limits.max_request_rate_per_client,
             client_send_hwm=limits.client_send_hwm,
+            max_clients=limits.max_clients,
         )
         self._handlers: dict[type, Callable[[bytes, object, float], Effects]] = {
             Hello: self._on_hello,
@@ -198,6 +211,10 @@ class SessionTable:
 
     def live_engine_request_ids(self) -> list[str]:
         return [eid for eid, (_, s) in self._by_engine_id.items() if not s.done]
+
+    def is_live(self, engine_request_id: str) -> bool:
+        """Whether a sample with this engine id is live in the table."""
+        return engine_request_id in self._by_engine_id
 
     def client_request_ids(self, client_id: bytes) -> list[str]:
         client = self._clients.get(client_id)
@@ -228,9 +245,23 @@ class SessionTable:
                 f" this gateway speaks version {PROTOCOL_VERSION}",
             )
             return Effects(replies=[(client_id, error)])
+        if client_id in self._blocked:
+            error = Error(
+                None,
+                ErrorCode.SLOW_CONSUMER,
+                "frames owed to this client from its previous session are still undelivered;"
+                " read them, then send Hello again",
+            )
+            return Effects(replies=[(client_id, error)])
         effects = Effects()
         if client_id in self._clients:  # reconnect under the same identity
-            self._end_client(client_id, effects)
+            self._end_client(client_id, FinishReason.ABORT, effects)
+        elif self.limits.max_clients and (
+            len(self._clients) + len(self._blocked) >= self.limits.max_clients
+        ):
+            return self._overloaded(
+                client_id, "", "max_clients", self.limits.max_clients, len(self._clients)
+            )
         limits = self.limits
         interval = msg.heartbeat_interval_s or limits.default_heartbeat_interval_s
         interval = min(
@@ -326,14 +357,21 @@ class SessionTable:
                 client_id,
                 request_id,
                 ErrorCode.INVALID_REQUEST,
-                f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens"
-                f" ({limits.max_prompt_tokens})",
+                prompt_too_long(prompt_tokens, limits.max_prompt_tokens),
             )
-        engine_request_id = f"g{next(_ENGINE_IDS)}"
+        engine_request_id = f"g{next(self._engine_ids)}"
         try:
             prepared = self._prepare(engine_request_id, msg)
         except RequestRejected as exc:
             return self._refuse(client_id, request_id, exc.code, exc.message)
+        except Exception as exc:  # a bug in preparing this one request: fail it alone
+            logger.exception("preparing request %r failed", request_id)
+            return self._refuse(
+                client_id,
+                request_id,
+                ErrorCode.INTERNAL,
+                f"the gateway failed to prepare request {request_id!r}: {exc!r}",
+            )
         n = len(prepared)
         samples = [
             _Sample(
@@ -364,44 +402,33 @@ class SessionTable:
     def _on_abort(self, client_id: bytes, msg: Abort, now: float) -> Effects:
         client = self._clients.get(client_id)
         if client is None:
-            return Effects(
-                replies=[
-                    (
-                        client_id,
-                        Error(None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before Abort"),
-                    )
-                ]
+            error = Error(
+                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before Abort", msg.call_id
             )
+            return Effects(replies=[(client_id, error)])
         ids = list(client.requests) if msg.request_ids is None else msg.request_ids
         if len(ids) > self.wire_limits.max_abort_ids:
-            return Effects(
-                replies=[
-                    (
-                        client_id,
-                        Error(
-                            None,
-                            ErrorCode.INVALID_MESSAGE,
-                            f"Abort.request_ids has {len(ids)} ids; the limit is"
-                            f" {self.wire_limits.max_abort_ids}",
-                        ),
-                    )
-                ]
+            error = Error(
+                None,
+                ErrorCode.INVALID_MESSAGE,
+                f"Abort.request_ids has {len(ids)} ids; the limit is"
+                f" {self.wire_limits.max_abort_ids}",
+                msg.call_id,
             )
+            return Effects(replies=[(client_id, error)])
         effects = Effects()
-        terminals: list[RequestOutput] = []
-        aborted: list[str] = []
+        aborted: list[_Request] = []
         unknown: list[str] = []
         for request_id in dict.fromkeys(ids):  # de-duplicated, in order
             request = client.requests.get(request_id)
             if request is None:
                 unknown.append(request_id)
-                continue
-            aborted.append(request_id)
-            self.stats.aborted_by_client += 1
-            self._finish_request(request, FinishReason.ABORT, terminals, effects.abort)
-        if terminals:
-            effects.replies.append((client_id, Outputs(terminals)))
-        effects.replies.append((client_id, AbortAck(aborted, unknown)))
+            else:
+                aborted.append(request)
+        self.stats.aborted_by_client += len(aborted)
+        self._end_requests(aborted, FinishReason.ABORT, effects)
+        ack = AbortAck([r.request_id for r in aborted], unknown, msg.call_id)
+        effects.replies.append((client_id, ack))
         return effects
 
     def _on_ping(self, client_id: bytes, msg: Ping, now: float) -> Effects:
@@ -506,51 +533,60 @@ class SessionTable:
                 del client.requests[request.request_id]
             self._live_requests -= 1
 
-    def _finish_request(
+    def _end_requests(
         self,
-        request: _Request,
-        reason: FinishReason,
-        terminals: list[RequestOutput],
-        abort_ids: list[str],
+        requests: Sequence[_Request],
+        ending: FinishReason | tuple[ErrorCode, str],
+        effects: Effects,
+        *,
+        tell_engine: bool = True,
     ) -> None:
-        """End every live sample of ``request`` now, with its tokens so far."""
-        for sample in request.samples:
-            if sample.done:
+        """End every live sample of ``requests`` now: the one way requests end early.
+
+        ``ending`` is a FinishReason (each live sample gets a terminal
+        RequestOutput with its tokens so far, one Outputs frame per client) or
+        ``(code, message)`` (one terminal Error per request). The engine is told
+        to stop every sample that was still live, unless ``tell_engine`` is off.
+        """
+        terminals: dict[bytes, list[RequestOutput]] = {}
+        for request in requests:
+            live = [sample for sample in request.samples if not sample.done]
+            if not live:
                 continue
-            abort_ids.append(sample.engine_request_id)
-            self.stats.finished[reason.name] += 1
-            finished = Finished(
-                reason, None, request.prompt_tokens, sample.output_tokens, sample.cached_tokens
-            )
-            self._retire(request, sample)
-            if request.stream:
-                terminals.append(
-                    RequestOutput(request.request_id, [], finished, None, None, sample.index)
-                )
-            else:
-                terminals.append(self._final_output(request, sample, finished))
-
-    def _error_request(
-        self, request: _Request, code: ErrorCode, message: str, effects: Effects
-    ) -> None:
-        """End ``request`` with one terminal Error (all its samples at once)."""
-        for sample in request.samples:
-            if not sample.done:
-                effects.abort.append(sample.engine_request_id)
+            for sample in live:
+                if tell_engine:
+                    effects.abort.append(sample.engine_request_id)
                 self._retire(request, sample)
-        effects.replies.append((request.client_id, Error(request.request_id, code, message)))
+            if isinstance(ending, tuple):
+                code, message = ending
+                effects.replies.append(
+                    (request.client_id, Error(request.request_id, code, message))
+                )
+                continue
+            self.stats.finished[ending.name] += len(live)
+            bucket = terminals.setdefault(request.client_id, [])
+            for sample in live:
+                finished = Finished(
+                    ending, None, request.prompt_tokens, sample.output_tokens, sample.cached_tokens
+                )
+                if request.stream:
+                    bucket.append(
+                        RequestOutput(request.request_id, [], finished, None, None, sample.index)
+                    )
+                else:
+                    bucket.append(self._final_output(request, sample, finished))
+        for client_id, outputs in terminals.items():
+            effects.replies.append((client_id, Outputs(outputs)))
 
-    def _abort_client_requests(self, client: _Client, effects: Effects) -> None:
-        """End every live request of ``client`` with ABORT, in one Outputs frame."""
-        terminals: list[RequestOutput] = []
-        for request in list(client.requests.values()):
-            self._finish_request(request, FinishReason.ABORT, terminals, effects.abort)
-        if terminals:
-            effects.replies.append((client.client_id, Outputs(terminals)))
+    def _end_client(
+        self, client_id: bytes, ending: FinishReason | tuple[ErrorCode, str], effects: Effects
+    ) -> None:
+        """End every live request of a client and forget its session."""
+        client = self._clients.pop(client_id)
+        self._end_requests(list(client.requests.values()), ending, effects)
 
-    def _end_client(self, client_id: bytes, effects: Effects) -> None:
-        """Abort every live request of a client and forget its session."""
-        self._abort_client_requests(self._clients.pop(client_id), effects)
+    def _all_requests(self) -> list[_Request]:
+        return [r for client in self._clients.values() for r in client.requests.values()]
 
     # ------------------------------------------------------------ lifecycle
 
@@ -560,28 +596,52 @@ class SessionTable:
         for client in list(self._clients.values()):
             if now - client.last_seen > client.heartbeat_timeout_s:
                 self.stats.clients_expired += 1
-                self._end_client(client.client_id, effects)
+                self._end_client(client.client_id, FinishReason.ABORT, effects)
         return effects
 
     def on_client_gone(self, client_id: bytes) -> Effects:
         """The transport says ``client_id`` is unreachable: end its session now."""
         effects = Effects()
+        self._blocked.discard(client_id)
         if client_id in self._clients:
-            self._end_client(client_id, effects)
+            self._end_client(client_id, FinishReason.ABORT, effects)
         return effects
 
-    def on_slow_consumer(self, client_id: bytes) -> Effects:
-        """``client_id`` stopped reading: end its requests with SLOW_CONSUMER, forget it."""
+    def on_send_blocked(self, client_id: bytes) -> Effects:
+        """The server could not queue a frame for ``client_id``: it stopped reading.
+
+        Its live requests end with one Error(SLOW_CONSUMER) each and its session
+        is forgotten. The server must deliver every frame it already holds for
+        the client, then these replies, in order; until it reports
+        ``on_send_unblocked`` the client may not open a new session.
+        """
         effects = Effects()
-        client = self._clients.pop(client_id, None)
+        if client_id in self._blocked:
+            return effects
+        self._blocked.add(client_id)
+        client = self._clients.get(client_id)
         if client is None:
             return effects
+        self.stats.slow_consumers += 1
         message = (
             f"client did not read its outputs ({self.wire_limits.client_send_hwm} frames"
-            " queued); its requests were ended; send Hello to start again"
+            " queued): its requests were ended and its session closed; every frame sent"
+            " before this one is still delivered, in order; send Hello again after reading them"
         )
-        for request in list(client.requests.values()):
-            self._error_request(request, ErrorCode.SLOW_CONSUMER, message, effects)
+        self._end_client(client_id, (ErrorCode.SLOW_CONSUMER, message), effects)
+        return effects
+
+    def on_send_unblocked(self, client_id: bytes) -> None:
+        """Every frame owed to a slow consumer was delivered: it may say Hello again."""
+        self._blocked.discard(client_id)
+
+    def on_submit_failed(self, engine_request_id: str, message: str) -> Effects:
+        """Submitting one sample to a live engine failed: end its request with INTERNAL."""
+        effects = Effects()
+        entry = self._by_engine_id.get(engine_request_id)
+        if entry is not None:
+            request, _ = entry
+            self._end_requests([request], (ErrorCode.INTERNAL, message), effects)
         return effects
 
     @property
@@ -593,10 +653,8 @@ class SessionTable:
         """The engine failed: every live request ends with ENGINE_DEAD; refuse new ones."""
         self.state = GatewayState.ENGINE_DEAD
         effects = Effects()
-        for client in self._clients.values():
-            for request in list(client.requests.values()):
-                self._error_request(request, ErrorCode.ENGINE_DEAD, message, effects)
-        effects.abort.clear()  # nothing to tell a dead engine
+        ending = (ErrorCode.ENGINE_DEAD, message)
+        self._end_requests(self._all_requests(), ending, effects, tell_engine=False)
         return effects
 
     def start_drain(self) -> None:
@@ -607,6 +665,5 @@ class SessionTable:
     def abort_all(self) -> Effects:
         """End every live request now with ABORT (drain deadline, shutdown)."""
         effects = Effects()
-        for client in self._clients.values():
-            self._abort_client_requests(client, effects)
+        self._end_requests(self._all_requests(), FinishReason.ABORT, effects)
         return effects

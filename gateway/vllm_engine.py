@@ -22,7 +22,7 @@ from codec import Generate, Logprobs
 from codec import SamplingParams as WireSamplingParams
 
 from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
-from .errors import EngineDead, RequestRejected
+from .errors import EngineDead, RequestRejected, SubmitFailed
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -35,6 +35,9 @@ __all__ = [
 
 SUPPORTED_VLLM = ">=0.32,<0.33"
 logger = logging.getLogger(__name__)
+# vLLM's OpenAI frontends bound seeds to int64 (completion/protocol.py); so do we,
+# for every sample's seed (with n > 1, sample i uses seed + i).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 # Fields of the wire SamplingParams that map one-to-one onto vLLM's.
 _DIRECT_FIELDS = tuple(
@@ -196,6 +199,11 @@ class VllmEngine:
         n = params.n
         if n == 1:
             return [core_request]
+        if params.seed is not None and params.seed + n - 1 > _INT64_MAX:
+            raise RequestRejected(
+                f"seed + n - 1 must be at most {_INT64_MAX} (sample i of n uses seed + i),"
+                f" got seed={params.seed} and n={n}."
+            )
         children = []
         for index in range(n):
             child = copy(core_request)
@@ -210,13 +218,21 @@ class VllmEngine:
         return children
 
     async def add_requests(self, prepared: Sequence[Any]) -> None:
-        if self._client.resources.engine_dead:
-            raise EngineDead("the engine process is not running")
-        try:
-            for core_request in prepared:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        for core_request in prepared:
+            try:
                 await self._client.add_request_async(core_request)
-        except Exception as exc:
-            raise EngineDead(f"engine failed while adding a request: {exc!r}") from exc
+            except EngineDeadError as exc:
+                raise EngineDead("the engine process is not running") from exc
+            except Exception as exc:
+                if self._client.resources.engine_dead:
+                    raise EngineDead(f"engine failed while adding a request: {exc!r}") from exc
+                raise SubmitFailed(
+                    core_request.request_id,
+                    f"the engine client could not submit request {core_request.request_id!r}:"
+                    f" {exc!r}",
+                ) from exc
 
     async def abort_requests(self, engine_request_ids: Sequence[str]) -> None:
         if engine_request_ids and not self._client.resources.engine_dead:
@@ -273,6 +289,11 @@ class VllmEngine:
             value = getattr(wire, field)
             if value is not None:
                 kwargs[field] = value
+        seed = kwargs.get("seed")
+        if isinstance(seed, int) and not _INT64_MIN <= seed <= _INT64_MAX:
+            raise RequestRejected(
+                f"seed must be between {_INT64_MIN} and {_INT64_MAX} (int64), got {seed}."
+            )
         n = kwargs.get("n", 1)
         if isinstance(n, int) and n > self._max_num_seqs:
             raise RequestRejected(

@@ -139,3 +139,60 @@ server_messages = st.one_of(
         HealthReply, small_ints, st.booleans(), text, st.integers(0, 10**6), st.integers(0, 10**6)
     ),
 )
+
+# ---------------------------------------------------------------- hostile values
+# Structurally valid, with every value at or past a bound (issue: one request killed
+# the gateway with n=2 and seed=2**64-1). Not for round-trip tests: nan != nan.
+edge_ints = st.sampled_from(
+    [0, 1, -1, 2, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1]
+)
+edge_floats = st.sampled_from(
+    [float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 5e-324, 0.0, -0.0, 2.0]
+)
+hostile_ints = edge_ints | small_ints
+hostile_floats = edge_floats | floats
+hostile_id_lists = st.lists(hostile_ints, max_size=6) | st.sampled_from(
+    [list(range(20_000)), [2**31 - 1] * 5_000, [0] * 50_000]
+)
+hostile_sampling_params = st.builds(
+    SamplingParams,
+    n=st.none() | hostile_ints,
+    temperature=st.none() | hostile_floats,
+    top_p=st.none() | hostile_floats,
+    top_k=st.none() | hostile_ints,
+    min_p=st.none() | hostile_floats,
+    seed=st.none() | hostile_ints,
+    max_tokens=st.none() | hostile_ints,
+    min_tokens=st.none() | hostile_ints,
+    stop_token_ids=st.none() | hostile_id_lists,
+    ignore_eos=st.none() | st.booleans(),
+    logprobs=st.none() | hostile_ints,
+    prompt_logprobs=st.none() | hostile_ints,
+    presence_penalty=st.none() | hostile_floats,
+    frequency_penalty=st.none() | hostile_floats,
+    repetition_penalty=st.none() | hostile_floats,
+    logit_bias=st.none()
+    | st.dictionaries(hostile_ints, hostile_floats, max_size=4)
+    | st.just({i: 1.0 for i in range(20_000)}),
+    allowed_token_ids=st.none() | hostile_id_lists,
+    bad_words_token_ids=st.none()
+    | st.lists(hostile_id_lists, max_size=3)
+    | st.just([[i, i + 1] for i in range(5_000)]),
+)
+hostile_options = st.builds(
+    RequestOptions,
+    priority=hostile_ints,
+    cache_salt=st.none() | text | st.just("s" * 100_000),
+    kv_transfer_params=st.none() | st.dictionaries(text, json_values, max_size=3),
+    lora_name=st.none() | text,
+    data_parallel_rank=st.none() | hostile_ints,
+)
+hostile_generates = st.builds(
+    Generate,
+    request_ids,
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=8)
+    | st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    st.booleans(),
+    hostile_sampling_params,
+    st.none() | hostile_options,
+)

@@ -41,7 +41,7 @@ from gateway.fake_engine import FakeEngine
 from gateway.server import Gateway
 from gateway.sessions import GatewayLimits
 from tests.conftest import ipc_address
-from tests.strategies import client_messages
+from tests.strategies import client_messages, hostile_generates
 
 FUZZ_LIMITS = GatewayLimits(
     max_frame_bytes=4096, max_in_flight_per_client=64, max_abort_ids=64, client_send_hwm=1000
@@ -155,7 +155,8 @@ def good_client_alongside(address: str):
 frame_lists = st.one_of(
     st.lists(st.binary(max_size=64), min_size=1, max_size=4),  # random frames and count
     st.tuples(st.just(VERSION_FRAME), st.binary(max_size=300)).map(list),  # random payload
-    client_messages.map(encode),  # valid structure, hostile values
+    client_messages.map(encode),  # valid structure, random values
+    hostile_generates.map(encode),  # valid structure, values at and past every bound
     client_messages.map(lambda m: [VERSION_FRAME, _mutate(encode(m)[1])]),
 )
 
@@ -183,9 +184,15 @@ def _fuzz(n_examples: int) -> None:
             sock.send_multipart(frames)
             for msg in drain_until_pong(sock, next(nonces)):
                 if isinstance(msg, Error):
-                    assert msg.code in ErrorCode and msg.message
-            # Requests the fuzzer got accepted are ended, so load stays bounded.
+                    # A documented code for the peer's fault: never a gateway bug or a
+                    # dead engine, and the message says what was wrong.
+                    assert msg.code.known and msg.message, msg
+                    assert msg.code not in (ErrorCode.INTERNAL, ErrorCode.ENGINE_DEAD), msg
+            # Requests the fuzzer got accepted are ended, in the table and in the engine.
             sock.send_multipart(encode(Abort(None)))
+            drain_until_pong(sock, next(nonces))
+            assert gw.call(lambda: gw.gateway.table.client_request_ids(b"fuzzer")) == []
+            assert gw.call(lambda: len(gw.engine._live)) <= 1  # the good client's one request
 
         one()
         drain_until_pong(sock, 0)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from codec import (
     Abort,
     AbortAck,
@@ -23,7 +20,7 @@ from codec import (
 )
 from gateway.fake_engine import FakeOutput
 from gateway.sessions import GatewayLimits
-from tests.helpers import TableHarness, TerminalLedger
+from tests.helpers import TableHarness
 
 A, B = b"client-a", b"client-b"
 
@@ -296,73 +293,3 @@ def test_drain_refuses_new_requests_and_abort_all_ends_the_rest():
     (terminal,) = h.take(A)
     assert terminal.outputs[0].finished.finish_reason is FinishReason.ABORT
     assert h.table.live_requests == 0
-
-
-# ---------------------------------------------------------------- property
-
-operations = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("generate"),
-            st.sampled_from([A, B]),
-            st.integers(0, 5),
-            st.booleans(),
-            st.integers(1, 3),
-        ),
-        st.tuples(
-            st.just("abort"),
-            st.sampled_from([A, B]),
-            st.none() | st.lists(st.integers(0, 7), max_size=3),
-        ),
-        st.tuples(
-            st.just("step"), st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=6)
-        ),
-        st.tuples(st.just("hello"), st.sampled_from([A, B])),
-        st.tuples(st.just("tick"), st.floats(0, 2)),
-        st.just(("engine_dead",)),
-    ),
-    max_size=60,
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(operations)
-def test_every_accepted_request_gets_exactly_one_terminal_and_nothing_after(ops):
-    h = TableHarness()
-    ledger = TerminalLedger()
-    for client_id in (A, B):
-        hello(h, client_id)
-
-    def deliver():
-        for client_id in (A, B):
-            for msg in h.take(client_id):
-                ledger.observe(client_id, msg)
-
-    for op in ops:
-        kind = op[0]
-        if kind == "generate":
-            _, client_id, rid, stream, n = op
-            before = len(h.submitted)
-            h.send(client_id, Generate(f"r{rid}", [5], stream, SamplingParams(n=n)))
-            if len(h.submitted) > before:
-                ledger.submitted(client_id, f"r{rid}", n)
-        elif kind == "abort":
-            _, client_id, ids = op
-            h.send(client_id, Abort(None if ids is None else [f"r{i}" for i in ids]))
-        elif kind == "step":
-            ids = engine_ids(h)
-            outs = [FakeOutput(ids[i], [i], 1 if fin else None) for i, fin in op[1] if i < len(ids)]
-            h.step(*outs)
-        elif kind == "hello":
-            h.send(op[1], Hello(1, "again", 1.0))
-        elif kind == "tick":
-            h.now += op[1]
-            h.apply(h.table.expire(h.now))
-        else:
-            h.apply(h.table.on_engine_dead("killed"))
-        deliver()
-    # Whatever is still live ends at shutdown: every accepted request is accounted for.
-    h.apply(h.table.abort_all())
-    deliver()
-    ledger.assert_complete()
-    assert h.table.live_requests == 0 and h.table.live_engine_request_ids() == []

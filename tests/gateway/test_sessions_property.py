@@ -1,0 +1,465 @@
+"""The session table against a reference model, over long random runs (no I/O).
+
+A run drives a SessionTable through Hellos, Generates (n ≤ 3, streaming or not),
+engine steps of several tokens (including outputs that race an abort), aborts,
+expiry, disconnects, slow consumers, submit failures, drain and engine death,
+under tight admission limits. After every operation it checks what each client
+received against the model: exact tokens, finish reasons and counts, AbortAck
+contents, refusals, and which engine requests the table told the engine to stop.
+
+``test_the_property_catches_planted_bugs`` plants bugs in sessions.py (textual
+mutants) and requires this property to fail on each one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from codec import (
+    Abort,
+    AbortAck,
+    Error,
+    ErrorCode,
+    FinishReason,
+    Generate,
+    Hello,
+    HelloAck,
+    Outputs,
+    Overloaded,
+    SamplingParams,
+)
+from gateway import sessions as sessions_module
+from gateway.engine import EngineInfo
+from gateway.fake_engine import FakeEngine, FakeOutput
+
+INFO = EngineInfo("fake", 256, 512, (2, 3), 5, max_num_seqs=4)
+LIMITS = sessions_module.GatewayLimits(
+    max_in_flight_per_client=3, max_in_flight_total=5, max_queued_requests=3, max_clients=8
+)
+CLIENTS = (b"A", b"B", b"C")
+HEARTBEAT_S = 1.0  # every Hello asks for this; the timeout is 3x
+
+
+@dataclass
+class _MSample:
+    engine_id: str
+    index: int
+    produced: list[int] = field(default_factory=list)  # tokens the table accepted
+    engine_live: bool = True  # the engine may still emit outputs for it
+    received: list[int] = field(default_factory=list)
+    terminal: bool = False
+
+
+@dataclass
+class _MRequest:
+    client: bytes
+    request_id: str
+    stream: bool
+    samples: list[_MSample]
+
+    @property
+    def live(self) -> bool:
+        return not all(s.terminal for s in self.samples)
+
+
+class Run:
+    """One random run: a table, a reference model, and the checks between them."""
+
+    def __init__(self, table_class: type):
+        self.engine = FakeEngine(info=INFO)
+        self.table = table_class(INFO, self.engine.prepare, LIMITS)
+        self.now = 0.0
+        self.sessions: dict[bytes, float] = {}  # client -> last seen
+        self.blocked: set[bytes] = set()
+        self.requests: dict[tuple[bytes, str], _MRequest] = {}  # the latest of each id
+        self.accepted: list[_MRequest] = []
+        self.by_engine_id: dict[str, tuple[_MRequest, _MSample]] = {}
+        self.engine_dead = False
+        self.draining = False
+        self.told_to_abort: set[str] = set()
+
+    # ------------------------------------------------------------ helpers
+
+    def live(self, client: bytes | None = None) -> list[_MRequest]:
+        """Live requests in the order they were accepted (a reused id counts anew)."""
+        return [r for r in self.accepted if r.live and (client is None or r.client == client)]
+
+    def apply(self, effects, ended_by_table: list[_MSample], tell_engine: bool = True) -> None:
+        """Check the effects of one operation, then the model's expectations."""
+        for prepared in effects.submit:
+            assert prepared.request_id in self.by_engine_id, "submitted an unknown request"
+        self.told_to_abort.update(effects.abort)
+        for client, msg in effects.replies:
+            self.receive(client, msg)
+        for sample in ended_by_table:
+            assert sample.terminal, f"sample {sample.engine_id} got no terminal"
+            if tell_engine and sample.engine_live:
+                assert sample.engine_id in effects.abort, f"engine not told to stop {sample}"
+            if tell_engine:
+                sample.engine_live = False
+
+    def receive(self, client: bytes, msg) -> None:
+        if isinstance(msg, Outputs):
+            for out in msg.outputs:
+                request = self.requests.get((client, out.request_id))
+                assert request is not None, f"output for an unknown request {out.request_id}"
+                sample = request.samples[out.index]
+                assert not sample.terminal, f"output after the terminal: {out}"
+                sample.received.extend(out.new_token_ids)
+                if out.finished is not None:
+                    sample.terminal = True
+                    assert sample.received == sample.produced, (sample, out)
+                    assert out.finished.output_tokens == len(sample.produced), out
+                    assert out.finished.prompt_tokens == 1
+                    if not request.stream:
+                        assert out.new_token_ids == sample.produced, out
+                elif not request.stream:
+                    raise AssertionError(f"a non-streaming request got a partial output: {out}")
+        elif isinstance(msg, Error) and msg.request_id is not None:
+            request = self.requests.get((client, msg.request_id))
+            if (
+                request is not None
+                and request.live
+                and msg.code is not (ErrorCode.DUPLICATE_REQUEST_ID)
+            ):
+                for sample in request.samples:
+                    sample.terminal = True
+
+    def end_expected(self, requests: list[_MRequest]) -> list[_MSample]:
+        return [s for r in requests for s in r.samples if not s.terminal]
+
+    # ------------------------------------------------------------ operations
+
+    def hello(self, client: bytes) -> None:
+        effects = self.table.on_message(client, Hello(1, "t", HEARTBEAT_S), self.now)
+        if client in self.blocked:
+            ((who, reply),) = effects.replies
+            assert isinstance(reply, Error) and reply.code is ErrorCode.SLOW_CONSUMER
+            return
+        if client in self.sessions:
+            self.sessions[client] = self.now
+        ended = self.end_expected(self.live(client)) if client in self.sessions else []
+        self.apply(effects, ended)
+        for sample in ended:
+            assert self.requests_of(sample).samples[sample.index].terminal
+        assert isinstance(effects.replies[-1][1], HelloAck)
+        self.sessions[client] = self.now
+        self.check_abort_terminals(ended, FinishReason.ABORT, effects)
+
+    def requests_of(self, sample: _MSample) -> _MRequest:
+        return self.by_engine_id[sample.engine_id][0]
+
+    def check_abort_terminals(self, ended, reason, effects) -> None:
+        finished = {
+            (client, out.request_id, out.index): out.finished.finish_reason
+            for client, msg in effects.replies
+            if isinstance(msg, Outputs)
+            for out in msg.outputs
+            if out.finished is not None
+        }
+        for sample in ended:
+            request = self.requests_of(sample)
+            key = (request.client, request.request_id, sample.index)
+            assert finished.get(key) is reason, (key, finished.get(key), reason)
+
+    def generate(self, client: bytes, rid: int, stream: bool, n: int) -> None:
+        request_id = f"r{rid}"
+        msg = Generate(request_id, [5], stream, SamplingParams(n=n, max_tokens=10**6))
+        before = self.table.live_requests
+        if client in self.sessions:
+            self.sessions[client] = self.now
+        effects = self.table.on_message(client, msg, self.now)
+        expected = self.expected_refusal(client, request_id, n)
+        if expected is not None:
+            assert not effects.submit, f"accepted although {expected} was expected"
+            ((who, reply),) = effects.replies
+            if isinstance(expected, ErrorCode):
+                assert isinstance(reply, Error) and reply.code is expected, (reply, expected)
+                assert reply.request_id == request_id
+            else:
+                assert isinstance(reply, Overloaded) and reply.limit == expected, reply
+            assert self.table.live_requests == before
+            return
+        assert len(effects.submit) == n and not effects.replies, effects
+        samples = [_MSample(p.request_id, i) for i, p in enumerate(effects.submit)]
+        request = _MRequest(client, request_id, stream, samples)
+        self.requests[(client, request_id)] = request
+        self.accepted.append(request)
+        for sample in samples:
+            self.by_engine_id[sample.engine_id] = (request, sample)
+        self.apply(effects, [])
+
+    def expected_refusal(self, client: bytes, request_id: str, n: int):
+        if client not in self.sessions:
+            return ErrorCode.HANDSHAKE_REQUIRED
+        current = self.requests.get((client, request_id))
+        if current is not None and current.live:
+            return ErrorCode.DUPLICATE_REQUEST_ID
+        if self.engine_dead:
+            return ErrorCode.ENGINE_DEAD
+        if self.draining:
+            return ErrorCode.DRAINING
+        if len(self.live(client)) >= LIMITS.max_in_flight_per_client:
+            return "max_in_flight_per_client"
+        if len(self.live()) >= LIMITS.max_in_flight_total:
+            return "max_in_flight_total"
+        live_samples = sum(1 for r in self.live() for s in r.samples if not s.terminal)
+        if live_samples - INFO.max_num_seqs >= LIMITS.max_queued_requests:
+            return "max_queued_requests"
+        return None
+
+    def step(self, picks: list[tuple[int, int, bool]]) -> None:
+        engine_live = [s for _, s in self.by_engine_id.values() if s.engine_live]
+        # Outputs that race an abort: the engine was told, but emits once more.
+        racing = [s for _, s in self.by_engine_id.values() if not s.engine_live]
+        pool = engine_live + racing[-2:]
+        if not pool:
+            return
+        outputs, ended = [], []
+        chosen: set[str] = set()
+        for pick, count, finish in picks:
+            sample = pool[pick % len(pool)]
+            if sample.engine_id in chosen:
+                continue
+            chosen.add(sample.engine_id)
+            tokens = [(pick + k) % 500 for k in range(count)]
+            outputs.append(FakeOutput(sample.engine_id, tokens, 1 if finish else None))
+            if sample.terminal:
+                continue  # the table must drop it
+            sample.produced.extend(tokens)
+            if finish:
+                sample.engine_live = False
+                ended.append(sample)
+        replies = self.table.on_step(outputs)
+        per_client = [client for client, _ in replies]
+        assert len(per_client) == len(set(per_client)), "two Outputs frames for one client"
+        for client, msg in replies:
+            self.receive(client, msg)
+        for sample in ended:
+            assert sample.terminal
+
+    def abort(self, client: bytes, ids: list[int] | None) -> None:
+        if client in self.sessions:
+            self.sessions[client] = self.now
+        call_id = 7
+        request_ids = None if ids is None else [f"r{i}" for i in ids]
+        effects = self.table.on_message(client, Abort(request_ids, call_id), self.now)
+        if client not in self.sessions:
+            ((who, reply),) = effects.replies
+            assert isinstance(reply, Error) and reply.code is ErrorCode.HANDSHAKE_REQUIRED
+            assert reply.call_id == call_id
+            return
+        wanted = [r.request_id for r in self.live(client)] if ids is None else request_ids
+        wanted = list(dict.fromkeys(wanted))
+        live_ids = {r.request_id for r in self.live(client)}
+        aborted = [i for i in wanted if i in live_ids]
+        unknown = [i for i in wanted if i not in live_ids]
+        ended = self.end_expected([self.requests[(client, i)] for i in aborted])
+        self.apply(effects, ended)
+        ack = effects.replies[-1][1]
+        assert isinstance(ack, AbortAck) and ack.call_id == call_id
+        assert (ack.aborted, ack.unknown) == (aborted, unknown), (ack, aborted, unknown)
+        self.check_abort_terminals(ended, FinishReason.ABORT, effects)
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        expired = [c for c, seen in self.sessions.items() if self.now - seen > HEARTBEAT_S * 3]
+        ended = self.end_expected([r for c in expired for r in self.live(c)])
+        effects = self.table.expire(self.now)
+        self.apply(effects, ended)
+        self.check_abort_terminals(ended, FinishReason.ABORT, effects)
+        for client in expired:
+            del self.sessions[client]
+        assert self.table.connected_clients == len(self.sessions)
+
+    def gone(self, client: bytes) -> None:
+        ended = self.end_expected(self.live(client)) if client in self.sessions else []
+        effects = self.table.on_client_gone(client)
+        self.apply(effects, ended)
+        self.check_abort_terminals(ended, FinishReason.ABORT, effects)
+        self.sessions.pop(client, None)
+        self.blocked.discard(client)
+
+    def send_blocked(self, client: bytes) -> None:
+        was_blocked = client in self.blocked
+        ended = (
+            self.end_expected(self.live(client))
+            if client in self.sessions and not was_blocked
+            else []
+        )
+        effects = self.table.on_send_blocked(client)
+        self.apply(effects, ended)
+        errors = {(c, m.request_id): m.code for c, m in effects.replies if isinstance(m, Error)}
+        for sample in ended:
+            request = self.requests_of(sample)
+            assert errors[(request.client, request.request_id)] is ErrorCode.SLOW_CONSUMER
+        self.blocked.add(client)
+        if not was_blocked:
+            self.sessions.pop(client, None)
+
+    def send_unblocked(self, client: bytes) -> None:
+        self.table.on_send_unblocked(client)
+        self.blocked.discard(client)
+
+    def submit_failed(self, pick: int) -> None:
+        live = [s for r in self.live() for s in r.samples if not s.terminal]
+        if not live:
+            return
+        sample = live[pick % len(live)]
+        request = self.requests_of(sample)
+        ended = self.end_expected([request])
+        effects = self.table.on_submit_failed(sample.engine_id, "refused")
+        self.apply(effects, ended)
+        ((who, reply),) = [(c, m) for c, m in effects.replies if isinstance(m, Error)]
+        assert reply.code is ErrorCode.INTERNAL and reply.request_id == request.request_id
+
+    def kill_engine(self) -> None:
+        ended = self.end_expected(self.live())
+        effects = self.table.on_engine_dead("killed")
+        assert effects.abort == [], "told a dead engine to abort"
+        self.apply(effects, ended, tell_engine=False)
+        for sample in ended:
+            request = self.requests_of(sample)
+            assert any(
+                isinstance(m, Error)
+                and m.request_id == request.request_id
+                and m.code is ErrorCode.ENGINE_DEAD
+                for c, m in effects.replies
+                if c == request.client
+            )
+        self.engine_dead = True
+
+    def drain(self) -> None:
+        self.table.start_drain()
+        self.draining = True
+
+    def finish(self) -> None:
+        """Shutdown: abort_all ends everything; the table is empty and consistent."""
+        ended = self.end_expected(self.live())
+        effects = self.table.abort_all()
+        self.apply(effects, ended, tell_engine=not self.engine_dead)
+        if not self.engine_dead:
+            self.check_abort_terminals(ended, FinishReason.ABORT, effects)
+        assert self.table.live_requests == 0
+        assert self.table.live_engine_request_ids() == []
+        for request in self.accepted:
+            assert not request.live
+
+
+clients = st.sampled_from(CLIENTS)
+step_picks = st.tuples(
+    st.integers(0, 50), st.integers(1, 3), st.integers(0, 4).map(lambda x: x == 0)
+)
+# Ordinary traffic: most of a run.
+common = st.one_of(
+    st.tuples(st.just("generate"), clients, st.integers(0, 5), st.booleans(), st.integers(1, 3)),
+    st.tuples(st.just("generate"), clients, st.integers(0, 5), st.booleans(), st.just(1)),
+    st.tuples(st.just("step"), st.lists(step_picks, min_size=1, max_size=6)),
+    st.tuples(st.just("step"), st.lists(step_picks, min_size=1, max_size=6)),
+    st.tuples(st.just("abort"), clients, st.none() | st.lists(st.integers(0, 7), max_size=3)),
+    st.tuples(st.just("tick"), st.sampled_from([0.2, 0.5, 1.0])),
+)
+# Events that end sessions, requests or the gateway's service: a few per run.
+rare = st.one_of(
+    st.tuples(st.just("hello"), clients),
+    st.tuples(st.just("tick"), st.sampled_from([2.0, 3.5])),
+    st.tuples(st.just("gone"), clients),
+    st.tuples(st.just("send_blocked"), clients),
+    st.tuples(st.just("send_unblocked"), clients),
+    st.tuples(st.just("submit_failed"), st.integers(0, 20)),
+    st.just(("kill_engine",)),
+    st.just(("drain",)),
+)
+
+
+@st.composite
+def runs(draw) -> list[tuple]:
+    ops = draw(st.lists(common, min_size=40, max_size=200))
+    for position, op in draw(st.lists(st.tuples(st.integers(0, 200), rare), max_size=5)):
+        ops.insert(min(position, len(ops)), op)
+    return ops
+
+
+def run_operations(table_class: type, ops: list[tuple]) -> None:
+    run = Run(table_class)
+    for client in CLIENTS:
+        run.hello(client)
+    for op in ops:
+        getattr(run, op[0])(*op[1:])
+    run.finish()
+
+
+@settings(max_examples=250, deadline=None)
+@given(runs())
+def test_the_table_matches_the_reference_model_on_long_random_runs(ops):
+    run_operations(sessions_module.SessionTable, ops)
+
+
+# ---------------------------------------------------------------- planted bugs
+
+MUTANTS = {
+    "non-stream tokens lost": (
+        "        sample.token_ids.extend(new_token_ids)\n",
+        "        sample.token_ids.extend(new_token_ids[:1])\n",
+    ),
+    "no engine abort": (
+        "                if tell_engine:\n                    effects.abort.append",
+        "                if False:\n                    effects.abort.append",
+    ),
+    "AbortAck swapped": (
+        "ack = AbortAck([r.request_id for r in aborted], unknown, msg.call_id)",
+        "ack = AbortAck(unknown, [r.request_id for r in aborted], msg.call_id)",
+    ),
+    "engine death not refusing": (
+        "        self.state = GatewayState.ENGINE_DEAD\n",
+        "        pass\n",
+    ),
+    "output_tokens=0": (
+        "                sample.output_tokens,\n                sample.cached_tokens,\n",
+        "                0,\n                sample.cached_tokens,\n",
+    ),
+    "expiry off": (
+        "            if now - client.last_seen > client.heartbeat_timeout_s:",
+        "            if False:",
+    ),
+}
+
+
+def _mutated_table(old: str, new: str) -> type:
+    source = Path(sessions_module.__file__).read_text()
+    assert source.count(old) == 1, f"mutant does not apply: {old!r}"
+    name = "gateway._mutated_sessions"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "gateway"
+    sys.modules[name] = module
+    try:
+        exec(
+            compile(source.replace(old, new), f"<mutant of {sessions_module.__file__}>", "exec"),
+            module.__dict__,
+        )
+    finally:
+        del sys.modules[name]
+    return module.SessionTable
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_the_property_catches_planted_bugs(mutant):
+    table_class = _mutated_table(*MUTANTS[mutant])
+
+    @settings(
+        max_examples=300, deadline=None, derandomize=True, phases=[Phase.generate], database=None
+    )
+    @given(runs())
+    def property_on_mutant(ops):
+        run_operations(table_class, ops)
+
+    with pytest.raises(AssertionError):
+        property_on_mutant()
