@@ -1,12 +1,15 @@
 """Client: a blocking wrapper over AsyncClient for scripts and notebooks.
 
 It runs its own event loop on a daemon thread; every call is submitted to
-that loop. Breaking out of a ``generate`` loop aborts the request there.
+that loop and waits at most ``timeout_s`` (then TimeoutError, and the call is
+cancelled there: a request is aborted). Breaking out of a ``generate`` loop,
+or Ctrl-C while it waits, aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,9 +30,14 @@ __all__ = ["Client"]
 
 
 class Client:
-    """Blocking client; use as ``with Client(address) as client``."""
+    """Blocking client; use as ``with Client(address) as client``.
 
-    def __init__(self, address: str, **kwargs: Any):
+    ``timeout_s`` bounds every call (None: wait for ever); other keyword
+    arguments go to AsyncClient.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float | None = 300.0, **kwargs: Any):
+        self.timeout_s = timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="gateway-client-loop"
@@ -43,7 +51,15 @@ class Client:
             raise
 
     def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"no answer within {self.timeout_s}s") from None
+        except BaseException:  # Ctrl-C: cancel the call on the loop (aborts a request)
+            future.cancel()
+            raise
 
     def __enter__(self) -> Client:
         return self
@@ -65,17 +81,17 @@ class Client:
         options: RequestOptions | None = None,
     ) -> Iterator[RequestOutput]:
         """Like AsyncClient.generate, as a plain iterator."""
-        agen = self._async.generate(
+        requests = self._async.generate(
             prompt_token_ids, sampling, stream=stream, request_id=request_id, options=options
         )
         try:
             while True:
                 try:
-                    yield self._run(agen.__anext__())
+                    yield self._run(requests.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(agen.aclose())
+            asyncio.run_coroutine_threadsafe(requests.aclose(), self._loop).result(5)
 
     def complete(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, **kwargs: Any

@@ -135,6 +135,8 @@ def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
 def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> ProtocolError:
     """Rewrite a msgspec validation error into field names and an ErrorCode."""
     raw = _peek(payload)
+    if raw is _NOT_MSGPACK:  # e.g. a value followed by trailing bytes
+        return ProtocolError(ErrorCode.MALFORMED, "payload is not one msgpack value")
     tag = raw[0] if isinstance(raw, list) and raw else None
     cls = CLIENT_TAGS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
     request_id = None
@@ -234,9 +236,12 @@ def _peek_generate_head(payload: Buffer) -> tuple[str, int] | None:
     return request_id, length
 
 
+_NOT_MSGPACK = object()
+
+
 def _peek(payload: Buffer) -> Any:
-    """Best-effort untyped decode, only on the error path, for tag and request id."""
+    """Untyped decode, only on the error path, for tag and request id (or _NOT_MSGPACK)."""
     try:
         return _any_decoder.decode(payload)
     except (msgspec.DecodeError, UnicodeDecodeError):
-        return None
+        return _NOT_MSGPACK

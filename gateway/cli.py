@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds live requests may run on after SIGTERM",
     )
     g.add_argument(
+        "--engine-dead-grace",
+        type=float,
+        default=1.0,
+        help="seconds to keep answering (health, ENGINE_DEAD refusals) after the engine died,"
+        " before exiting with status 3",
+    )
+    g.add_argument("--max-clients", type=int, default=defaults.max_clients)
+    g.add_argument(
         "--max-queued-requests",
         type=int,
         default=defaults.max_queued_requests,
@@ -175,6 +183,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_request_rate_per_client=args.max_request_rate_per_client,
         request_rate_burst=args.request_rate_burst,
         client_send_hwm=args.client_send_hwm,
+        max_clients=args.max_clients,
         default_heartbeat_interval_s=args.heartbeat_interval,
     )
     engine = await VllmEngine.start(engine_args_from_namespace(args), dict(args.lora_module))
@@ -184,6 +193,7 @@ async def _serve(args: argparse.Namespace) -> int:
             args.bind or [DEFAULT_BIND],
             limits,
             drain_timeout_s=args.drain_timeout,
+            engine_dead_grace_s=args.engine_dead_grace,
             gateway_version=gateway_version(),
             curve=_curve_config(args),
         )

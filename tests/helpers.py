@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from client import AsyncClient
 from codec import Error, ErrorCode, Outputs, RequestOutput, ServerMessage
 from gateway.engine import EngineInfo
 from gateway.fake_engine import FakeEngine, FakeOutput
@@ -118,3 +119,40 @@ class TableHarness:
     def take(self, client_id: bytes) -> list[ServerMessage]:
         msgs, self.received[client_id] = self.received[client_id], []
         return msgs
+
+
+class RecordingClient(AsyncClient):
+    """An AsyncClient that also keeps every Outputs frame it read off the socket.
+
+    Counting terminals from these raw frames (not from ``generate``, which stops
+    at the terminal) sees a second terminal or an output after it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.frames: list[Outputs] = []
+
+    def _on_outputs(self, msg: Outputs) -> None:
+        self.frames.append(msg)
+        super()._on_outputs(msg)
+
+    def terminals(self, request_id: str) -> list[int]:
+        """Per frame index, how many terminals ``request_id`` got (in frame order)."""
+        return [
+            i
+            for i, frame in enumerate(self.frames)
+            for out in frame.outputs
+            if out.request_id == request_id and out.finished is not None
+        ]
+
+    def outputs_after_terminal(self, request_id: str) -> int:
+        """How many outputs for ``request_id`` arrived after its (first) terminal."""
+        seen_terminal, after = False, 0
+        for frame in self.frames:
+            for out in frame.outputs:
+                if out.request_id != request_id:
+                    continue
+                if seen_terminal:
+                    after += 1
+                seen_terminal |= out.finished is not None
+        return after

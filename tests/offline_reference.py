@@ -1,8 +1,10 @@
 """Reference outputs from vLLM's offline ``LLM.generate`` (run as a subprocess).
 
 Reads {"model":..., "max_model_len":..., "cases": [{"prompt": [...], "sampling": {...}}]}
-as JSON on stdin; prints one JSON result per case. Each case runs alone (a batch
-of one), as the gateway tests run them, so batch shape cannot change numerics.
+as JSON on stdin; prints one JSON result per case. A case with "defaults": true
+starts from the model's generation-config defaults (``get_diff_sampling_param``)
+and sets its sampling fields on top, as vLLM's servers do. Each case runs alone (a
+batch of one), as the gateway tests run them, so batch shape cannot change numerics.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ def main() -> None:
     )
     results = []
     for case in spec["cases"]:
-        params = SamplingParams(detokenize=False, **case["sampling"])
+        if case.get("defaults"):
+            defaults = llm.model_config.get_diff_sampling_param()
+            params = SamplingParams.from_optional(
+                **{**defaults, **case["sampling"]}, detokenize=False
+            )
+        else:
+            params = SamplingParams(detokenize=False, **case["sampling"])
         (out,) = llm.generate(
             [TokensPrompt(prompt_token_ids=case["prompt"])], params, use_tqdm=False
         )
@@ -46,6 +54,15 @@ def main() -> None:
                     else [
                         {str(t): lp.logprob for t, lp in pos.items()} for pos in completion.logprobs
                     ],
+                    # The rank of each sampled token (1 = most likely), as vLLM reports it.
+                    "ranks": None
+                    if completion.logprobs is None
+                    else [
+                        pos[token].rank
+                        for token, pos in zip(
+                            completion.token_ids, completion.logprobs, strict=True
+                        )
+                    ],
                 }
             )
         prompt_logprobs = (
@@ -56,7 +73,18 @@ def main() -> None:
                 for pos in out.prompt_logprobs
             ]
         )
-        results.append({"samples": samples, "prompt_logprobs": prompt_logprobs})
+        prompt_ranks = (
+            None
+            if out.prompt_logprobs is None
+            else [
+                pos[token].rank
+                for token, pos in zip(case["prompt"], out.prompt_logprobs, strict=True)
+                if pos is not None
+            ]
+        )
+        results.append(
+            {"samples": samples, "prompt_logprobs": prompt_logprobs, "prompt_ranks": prompt_ranks}
+        )
     print("REFERENCE_JSON " + json.dumps(results))
 
 

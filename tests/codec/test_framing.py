@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from codec import ErrorCode, Generate, ProtocolError, decode_client, encode
+from codec.messages import CLIENT_TAGS
 
 V1 = b"\x01"
 
@@ -101,11 +102,33 @@ def test_extra_trailing_fields_are_refused_on_inbound_messages():
 
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=256))
-def test_random_bytes_never_escape_as_anything_but_protocol_error(raw):
+def test_random_bytes_decode_to_a_message_that_round_trips_or_to_the_right_code(raw):
     try:
-        decode_client([V1, raw])
+        msg = decode_client([V1, raw])
     except ProtocolError as exc:
-        assert exc.code in ErrorCode
+        untyped = _untyped(raw)
+        if untyped is _NOT_MSGPACK:
+            assert exc.code is ErrorCode.MALFORMED, exc
+        elif not isinstance(untyped, list) or not untyped:
+            assert exc.code is ErrorCode.INVALID_MESSAGE, exc
+        elif not isinstance(untyped[0], int) or untyped[0] not in CLIENT_TAGS:
+            assert exc.code is ErrorCode.UNKNOWN_MESSAGE, exc
+        else:
+            name = CLIENT_TAGS[untyped[0]].__name__
+            assert exc.code in (ErrorCode.INVALID_MESSAGE, ErrorCode.MALFORMED), exc
+            assert exc.message.startswith(name) or exc.code is ErrorCode.MALFORMED, exc
+    else:
+        assert decode_client(encode(msg)) == msg
+
+
+_NOT_MSGPACK = object()
+
+
+def _untyped(raw: bytes):
+    try:
+        return msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return _NOT_MSGPACK
 
 
 def test_encode_returns_version_and_payload_frames():
@@ -113,6 +136,14 @@ def test_encode_returns_version_and_payload_frames():
     assert frames[0] == V1 and isinstance(frames[1], bytes) and len(frames) == 2
 
 
-@pytest.mark.parametrize("raw", [b"\xa1\x80", b"\x93\x02\xa1\xff\x90"])
-def test_invalid_utf8_strings_are_malformed(raw):
-    assert decode_error([V1, raw]).code in (ErrorCode.MALFORMED, ErrorCode.INVALID_MESSAGE)
+def test_an_invalid_utf8_string_inside_a_message_is_malformed():
+    # Generate whose request id is the invalid UTF-8 byte 0xff.
+    err = decode_error([V1, b"\x93\x02\xa1\xff\x90"])
+    assert err.code is ErrorCode.MALFORMED and "UTF-8" in err.message
+
+
+def test_a_bare_string_is_not_a_message():
+    err = decode_error([V1, b"\xa1a"])  # the str "a" at the root
+    assert err.code is ErrorCode.INVALID_MESSAGE and "Expected `array`" in err.message
+    err = decode_error([V1, b"\xa1\x80"])  # a root str that is not UTF-8: not msgpack
+    assert err.code is ErrorCode.MALFORMED

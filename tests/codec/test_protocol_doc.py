@@ -9,7 +9,17 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from codec import Generate, Hello, Outputs, decode_client, decode_server, encode
+from codec import (
+    Abort,
+    Error,
+    ErrorCode,
+    Generate,
+    Hello,
+    Outputs,
+    decode_client,
+    decode_server,
+    encode,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 _PAIR = re.compile(r"```hex\n(.*?)```\n```json\n(.*?)```", re.S)
@@ -25,8 +35,8 @@ def _dumps() -> list[tuple[list[bytes], object]]:
     return pairs
 
 
-def test_the_document_has_the_three_dumps():
-    assert [value[0] for _, value in _dumps()] == [1, 2, 65]
+def test_the_document_has_its_five_dumps():
+    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -38,7 +48,7 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 
 
 def test_dumps_decode_to_the_described_messages():
-    (hello, _), (generate, _), (outputs, _) = _dumps()
+    (hello, _), (generate, _), (outputs, _), (abort, _), (error, _) = _dumps()
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
     g = decode_client(generate)
@@ -56,3 +66,8 @@ def test_dumps_decode_to_the_described_messages():
     assert second.new_token_ids == [7, 8]
     assert (second.finished.finish_reason, second.finished.stop_reason) == (0, 2)
     assert (second.finished.prompt_tokens, second.finished.output_tokens) == (3, 12)
+    a = decode_client(abort)
+    assert isinstance(a, Abort) and (a.request_ids, a.call_id) == (["r1", "r2", "r3"], 9)
+    e = decode_server(error)
+    assert isinstance(e, Error) and e.request_id is None and e.call_id == 9
+    assert e.code is ErrorCode.INVALID_MESSAGE

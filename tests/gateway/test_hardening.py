@@ -44,7 +44,7 @@ from tests.conftest import ipc_address
 from tests.strategies import client_messages, hostile_generates
 
 FUZZ_LIMITS = GatewayLimits(
-    max_frame_bytes=4096, max_in_flight_per_client=64, max_abort_ids=64, client_send_hwm=1000
+    max_frame_bytes=1 << 20, max_in_flight_per_client=64, max_abort_ids=64, client_send_hwm=1000
 )
 
 
@@ -223,7 +223,7 @@ def test_every_garbage_frame_is_answered_with_exactly_one_error(raw):
 
 
 def test_oversize_frames_are_refused_before_decoding_and_the_session_goes_on():
-    with GatewayThread() as gw:
+    with GatewayThread(GatewayLimits(max_frame_bytes=4096)) as gw:
         sock = dealer(gw.address, b"big")
         sock.send_multipart([VERSION_FRAME, msgspec.msgpack.encode([2, "r", [1] * 5000])])
         (err,) = drain_until_pong(sock, 1)

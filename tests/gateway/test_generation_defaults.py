@@ -1,0 +1,110 @@
+"""Generation-config defaults, on a model whose generation_config.json sets them.
+
+The gateway must apply the model's temperature, top_p, top_k, repetition_penalty
+and max_new_tokens as vLLM's servers do, so a request that sets none of them
+equals offline ``LLM.generate`` with the model's defaults. The max_tokens
+default (max_new_tokens = 9, below what the context allows) is the gateway's
+own computation: vLLM's engine would otherwise fill the context.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client import AsyncClient, FinishReason, SamplingParams
+from gateway.tiny_model import ensure_tiny_model
+from tests.conftest import TEST_MAX_MODEL_LEN, running_gateway
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[2]
+GENERATION_CONFIG = dict(
+    bos_token_id=1,
+    eos_token_id=[2, 3],
+    temperature=0.7,
+    top_p=0.8,
+    top_k=5,
+    repetition_penalty=1.1,
+    max_new_tokens=9,
+)
+# (name, prompt, sampling fields the request sets; everything else is the model's default)
+CASES = [
+    ("seeded-defaults", [5, 6, 7], dict(seed=3, ignore_eos=True)),
+    ("other-seed", [9, 10], dict(seed=4, ignore_eos=True)),
+    ("override-temperature", [5, 6, 7], dict(seed=3, temperature=0.0, ignore_eos=True)),
+]
+
+
+@pytest.fixture(scope="module")
+def defaults_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("defaults") / "tiny-llama-with-defaults"
+    shutil.copytree(ensure_tiny_model(), path)
+    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+async def defaults_gateway(defaults_model):
+    from gateway.vllm_engine import VllmEngine, default_engine_args
+
+    args = default_engine_args(
+        str(defaults_model),
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        max_model_len=TEST_MAX_MODEL_LEN,
+        seed=0,
+    )
+    engine = await VllmEngine.start(args)
+    try:
+        async with running_gateway(engine) as gateway:
+            yield gateway
+    finally:
+        await engine.aclose()
+
+
+@pytest.fixture(scope="module")
+def offline_defaults(defaults_model) -> dict[str, dict]:
+    spec = {
+        "model": str(defaults_model),
+        "max_model_len": TEST_MAX_MODEL_LEN,
+        "cases": [{"prompt": p, "sampling": s, "defaults": True} for _, p, s in CASES],
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.offline_reference"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE_JSON ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    results = json.loads(line.removeprefix("REFERENCE_JSON "))
+    return {name: r["samples"][0] for (name, _, _), r in zip(CASES, results, strict=True)}
+
+
+@pytest.mark.parametrize(("name", "prompt", "sampling"), CASES, ids=[c[0] for c in CASES])
+async def test_model_defaults_apply_as_in_offline_vllm(
+    defaults_gateway, offline_defaults, name, prompt, sampling
+):
+    async with AsyncClient(defaults_gateway.addresses[0]) as client:
+        done = await client.complete(prompt, SamplingParams(**sampling))
+    want = offline_defaults[name]
+    assert done.token_ids == want["token_ids"]
+    # max_new_tokens = 9 is the default cap, though 500 more tokens would fit.
+    assert done.output_tokens == 9 and done.finish_reason is FinishReason.LENGTH
+
+
+async def test_the_defaults_change_the_output(defaults_gateway):
+    """The defaults are really applied: greedy differs from the model's sampling."""
+    async with AsyncClient(defaults_gateway.addresses[0]) as client:
+        sampled = [
+            (await client.complete([5, 6, 7], SamplingParams(seed=s, ignore_eos=True))).token_ids
+            for s in range(4)
+        ]
+    assert len({tuple(t) for t in sampled}) > 1
