@@ -11,7 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_offline_reference(model: str, max_model_len: int, cases: list[dict]) -> list[dict]:
+    """Run ``cases`` through offline ``LLM.generate`` in a subprocess; one result per case."""
+    spec = {"model": model, "max_model_len": max_model_len, "cases": cases}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.offline_reference"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE_JSON ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    return json.loads(line.removeprefix("REFERENCE_JSON "))
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from client import AsyncClient, FinishReason, RequestFailed, SamplingParams
 from codec import Abort, Error, ErrorCode, Outputs, Overloaded, RequestOptions, encode
-from tests.gateway.test_hardening import dealer, drain_until_pong
+from tests.gateway.test_hardening import drain_until_pong, raw_session
 from tests.strategies import hostile_generates
 
 pytestmark = pytest.mark.engine
@@ -146,11 +146,7 @@ async def test_hypothesis_hostile_generates_against_the_real_engine(real_gateway
 
 
 def _hostile_run(address: str, examples: int) -> None:
-    from codec import Hello
-
-    sock = dealer(address, b"hostile")
-    sock.send_multipart(encode(Hello(1, "hostile", 60.0)))
-    drain_until_pong(sock, 0)
+    sock = raw_session(address, b"hostile")
     nonces = iter(range(1, 10**9))
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +18,9 @@ import pytest
 from client import AsyncClient, FinishReason, SamplingParams
 from gateway.tiny_model import ensure_tiny_model
 from tests.conftest import TEST_MAX_MODEL_LEN, running_gateway
+from tests.offline_reference import run_offline_reference
 
 pytestmark = pytest.mark.engine
-ROOT = Path(__file__).resolve().parents[2]
 GENERATION_CONFIG = dict(
     bos_token_id=1,
     eos_token_id=[2, 3],
@@ -69,22 +67,8 @@ async def defaults_gateway(defaults_model):
 
 @pytest.fixture(scope="module")
 def offline_defaults(defaults_model) -> dict[str, dict]:
-    spec = {
-        "model": str(defaults_model),
-        "max_model_len": TEST_MAX_MODEL_LEN,
-        "cases": [{"prompt": p, "sampling": s, "defaults": True} for _, p, s in CASES],
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.offline_reference"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE_JSON ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    results = json.loads(line.removeprefix("REFERENCE_JSON "))
+    cases = [{"prompt": p, "sampling": s, "defaults": True} for _, p, s in CASES]
+    results = run_offline_reference(str(defaults_model), TEST_MAX_MODEL_LEN, cases)
     return {name: r["samples"][0] for (name, _, _), r in zip(CASES, results, strict=True)}
 
 

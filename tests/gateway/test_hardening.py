@@ -109,6 +109,14 @@ def dealer(address: str, identity: bytes, **options) -> zmq.Socket:
     return sock
 
 
+def raw_session(address: str, identity: bytes, **options) -> zmq.Socket:
+    """A DEALER that said Hello (60 s heartbeat) and read its HelloAck."""
+    sock = dealer(address, identity, **options)
+    sock.send_multipart(encode(Hello(1, identity.decode(), 60.0)))
+    assert recv(sock).__class__.__name__ == "HelloAck"
+    return sock
+
+
 def recv(sock: zmq.Socket, timeout_ms: int = 5000):
     if not sock.poll(timeout_ms):
         raise TimeoutError("no frame from the gateway")
@@ -171,9 +179,7 @@ def _mutate(payload: bytes) -> bytes:
 
 def _fuzz(n_examples: int) -> None:
     with GatewayThread() as gw, good_client_alongside(gw.address) as failures:
-        sock = dealer(gw.address, b"fuzzer")
-        sock.send_multipart(encode(Hello(1, "fuzzer", 60.0)))
-        assert recv(sock).__class__.__name__ == "HelloAck"
+        sock = raw_session(gw.address, b"fuzzer")
         process = psutil.Process()
         rss_before = process.memory_info().rss
         nonces = iter(range(1, 10**9))
@@ -237,9 +243,7 @@ def test_a_flooding_client_gets_overloaded_and_another_client_is_unaffected():
         GatewayThread(limits, step_interval_s=0.002) as gw,
         good_client_alongside(gw.address) as failures,
     ):
-        flood = dealer(gw.address, b"flood", SNDHWM=0, RCVHWM=0)
-        flood.send_multipart(encode(Hello(1, "flood", 60.0)))
-        recv(flood)
+        flood = raw_session(gw.address, b"flood", SNDHWM=0, RCVHWM=0)
         sampling = SamplingParams(max_tokens=20, ignore_eos=True)
         for i in range(2000):
             flood.send_multipart(encode(Generate(f"f{i}", [7], True, sampling)))
@@ -261,9 +265,7 @@ def test_a_flooding_client_gets_overloaded_and_another_client_is_unaffected():
 def test_request_rate_limit_answers_overloaded():
     limits = GatewayLimits(max_request_rate_per_client=5.0, request_rate_burst=3)
     with GatewayThread(limits) as gw:
-        sock = dealer(gw.address, b"rate")
-        sock.send_multipart(encode(Hello(1, "rate", 60.0)))
-        recv(sock)
+        sock = raw_session(gw.address, b"rate")
         for i in range(6):
             sock.send_multipart(encode(Generate(f"r{i}", [7], False, SamplingParams(max_tokens=1))))
         replies = drain_until_pong(sock, 1)
@@ -278,9 +280,7 @@ def test_a_client_that_stops_reading_is_ended_without_stalling_others():
         GatewayThread(limits, step_interval_s=0.0005) as gw,
         good_client_alongside(gw.address) as failures,
     ):
-        slow = dealer(gw.address, b"slow", RCVHWM=20, RCVBUF=4096)
-        slow.send_multipart(encode(Hello(1, "slow", 60.0)))
-        recv(slow)
+        slow = raw_session(gw.address, b"slow", RCVHWM=20, RCVBUF=4096)
         sampling = SamplingParams(max_tokens=100_000, ignore_eos=True)
         for i in range(10):
             slow.send_multipart(encode(Generate(f"s{i}", [7], True, sampling)))

@@ -30,7 +30,7 @@ from gateway.fake_engine import FakeEngine
 from gateway.server import EXIT_ENGINE_DEAD
 from gateway.sessions import GatewayLimits
 from tests.conftest import running_gateway
-from tests.gateway.test_hardening import GatewayThread, dealer, drain_until_pong, recv
+from tests.gateway.test_hardening import GatewayThread, dealer, drain_until_pong, raw_session, recv
 
 SHORT = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -102,9 +102,7 @@ def test_a_slow_consumer_gets_every_frame_owed_and_a_later_session_is_whole():
     Hello is refused until they are read; a later request's terminal is delivered."""
     limits = GatewayLimits(client_send_hwm=20)
     with GatewayThread(limits, step_interval_s=0.0005) as gw:
-        slow = dealer(gw.address, b"slow", RCVHWM=20, RCVBUF=4096)
-        slow.send_multipart(encode(Hello(1, "slow", 60.0)))
-        recv(slow)
+        slow = raw_session(gw.address, b"slow", RCVHWM=20, RCVBUF=4096)
         sampling = SamplingParams(max_tokens=100_000, ignore_eos=True)
         for i in range(10):
             slow.send_multipart(encode(Generate(f"s{i}", [7], True, sampling)))
@@ -158,9 +156,7 @@ def drain_until_pong_after(sock: zmq.Socket, wait_s: float = 0.5) -> list:
 def test_maximal_frames_are_refused_from_their_header_and_others_keep_being_served():
     limits = GatewayLimits(max_frame_bytes=8 * 1024 * 1024)
     with GatewayThread(limits) as gw:
-        big = dealer(gw.address, b"big", SNDHWM=0)
-        big.send_multipart(encode(Hello(1, "big", 60.0)))
-        recv(big)
+        big = raw_session(gw.address, b"big", SNDHWM=0)
         payload = msgspec.msgpack.encode([2, "huge", [7] * 1_600_000])  # ~8 MiB of ids
         assert len(payload) < limits.max_frame_bytes
         for _ in range(10):

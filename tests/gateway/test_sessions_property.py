@@ -147,8 +147,6 @@ class Run:
             self.sessions[client] = self.now
         ended = self.end_expected(self.live(client)) if client in self.sessions else []
         self.apply(effects, ended)
-        for sample in ended:
-            assert self.requests_of(sample).samples[sample.index].terminal
         assert isinstance(effects.replies[-1][1], HelloAck)
         self.sessions[client] = self.now
         self.check_abort_terminals(ended, FinishReason.ABORT, effects)

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +17,9 @@ from codec import ErrorCode, Logprobs, RequestOptions
 from gateway.tiny_model import TINY_EOS_TOKEN_IDS, ensure_tiny_model
 from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.helpers import RecordingClient
+from tests.offline_reference import run_offline_reference
 
 pytestmark = pytest.mark.engine
-ROOT = Path(__file__).resolve().parents[2]
 _rng = random.Random(1)
 
 
@@ -69,22 +65,8 @@ SAMPLE_CASES = [
 @pytest.fixture(scope="module")
 def offline_reference() -> dict[str, dict]:
     """Run vLLM's offline LLM.generate on every case in a subprocess."""
-    spec = {
-        "model": str(ensure_tiny_model()),
-        "max_model_len": TEST_MAX_MODEL_LEN,
-        "cases": [{"prompt": p, "sampling": s} for _, p, s in CASES + SAMPLE_CASES],
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.offline_reference"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE_JSON ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    results = json.loads(line.removeprefix("REFERENCE_JSON "))
+    cases = [{"prompt": p, "sampling": s} for _, p, s in CASES + SAMPLE_CASES]
+    results = run_offline_reference(str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases)
     return {
         name: result for (name, _, _), result in zip(CASES + SAMPLE_CASES, results, strict=True)
     }
