@@ -15,7 +15,7 @@ from .errors import (
     RequestOverloaded,
     SessionLost,
 )
-from .keys import load_client_keys
+from .keys import create_keys, load_client_keys
 from .results import Completion
 from .sync import Client
 
@@ -29,6 +29,7 @@ __all__ = [
     "GatewayUnavailable",
     "SessionLost",
     "RequestStream",
+    "create_keys",
     "load_client_keys",
     "SamplingParams",
     "RequestOptions",

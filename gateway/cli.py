@@ -1,16 +1,22 @@
-"""``engine-gateway serve``: the gateway on a real vLLM engine, from the command line.
+"""``engine-gateway``: ``serve`` (the gateway on a real vLLM engine), ``keys`` (CURVE
+key files) and ``bench`` (load-test any running gateway).
 
 Engine flags are vLLM's own (its parser, via vllm_engine), accepted exactly as
 ``vllm serve`` accepts them; gateway flags are ours. With no model given it
 serves the embedded tiny random Llama, generated and cached on first use.
-SIGTERM or Ctrl-C drains (second Ctrl-C stops at once); exit status 0 after
-a drain, 3 when the engine died (so a supervisor restarts the gateway).
+SIGTERM or Ctrl-C drains (second Ctrl-C stops at once).
+
+Exit status: 0 after a drain; 2 for a bad command line, found before the
+engine starts where it can be (flags, model path, addresses and ports, key
+files: one line on stderr naming the flag); 1 when the engine failed to start;
+3 when the engine died (so a supervisor restarts the gateway).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -18,9 +24,29 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from .preflight import (
+    UsageError,
+    bounded,
+    check_address_free,
+    check_bind_address,
+    check_curve_files,
+    check_model,
+)
 from .sessions import GatewayLimits
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "EXIT_USAGE", "EXIT_START_FAILED"]
+
+EXIT_START_FAILED = 1
+EXIT_USAGE = 2
+USAGE = """\
+usage: engine-gateway COMMAND ...
+
+commands:
+  serve [MODEL] [flags]   serve a vLLM engine on a ZeroMQ socket (serve --help)
+  keys                    make CURVE key files for the gateway and its clients (keys --help)
+  bench --address ADDR    load-test a running gateway (bench --help)
+  --version               print the version
+"""
 
 DEFAULT_BIND = "tcp://127.0.0.1:5557"
 logger = logging.getLogger("engine_gateway")
@@ -40,21 +66,51 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """argparse errors as one line on stderr (not the whole usage), exit status 2."""
+
+    def error(message: str) -> None:
+        print(f"{parser.prog}: error: {message} (see {parser.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+    parser.error = error  # type: ignore[method-assign]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``serve`` parser: gateway flags plus every vLLM engine flag."""
+    # Importing vLLM logs platform notes (Triton, CPU backend) that --help must not show.
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.ERROR)
+    try:
+        return _build_parser()
+    finally:
+        vllm_logger.setLevel(level)
+
+
+def _build_parser() -> argparse.ArgumentParser:
     from .vllm_engine import add_engine_cli_args, make_engine_parser
 
     parser = make_engine_parser(
         prog="engine-gateway serve",
         description="Serve a vLLM engine over one ZeroMQ ROUTER socket (docs/PROTOCOL.md).",
     )
+    _one_line_errors(parser)
     parser.add_argument(
         "model_tag",
         nargs="?",
         default=None,
         help="model to serve (as `vllm serve MODEL`); default: the tiny model",
     )
-    g = parser.add_argument_group("gateway")
+    add_gateway_args(parser.add_argument_group("gateway"))
+    add_engine_cli_args(parser)
+    # Token-only serving needs no tokenizer; --no-skip-tokenizer-init loads one.
+    parser.set_defaults(model=None, skip_tokenizer_init=True)
+    return parser
+
+
+def add_gateway_args(g: argparse._ActionsContainer) -> None:
+    """The gateway's own flags (no vLLM needed to parse or check them)."""
     g.add_argument(
         "--bind",
         action="append",
@@ -63,51 +119,52 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"tcp:// or ipc:// address, repeatable (default {DEFAULT_BIND})",
     )
     defaults = GatewayLimits()
+    count = bounded(int, 1)
     g.add_argument(
-        "--max-in-flight-per-client", type=int, default=defaults.max_in_flight_per_client
+        "--max-in-flight-per-client", type=count, default=defaults.max_in_flight_per_client
     )
-    g.add_argument("--max-in-flight-total", type=int, default=defaults.max_in_flight_total)
-    g.add_argument("--max-frame-bytes", type=int, default=defaults.max_frame_bytes)
-    g.add_argument("--max-abort-ids", type=int, default=defaults.max_abort_ids)
+    g.add_argument("--max-in-flight-total", type=count, default=defaults.max_in_flight_total)
+    g.add_argument("--max-frame-bytes", type=bounded(int, 1024), default=defaults.max_frame_bytes)
+    g.add_argument("--max-abort-ids", type=count, default=defaults.max_abort_ids)
     g.add_argument(
-        "--max-prompt-tokens", type=int, default=None, help="default: the model's max_model_len"
+        "--max-prompt-tokens", type=count, default=None, help="default: the model's max_model_len"
     )
     g.add_argument(
         "--heartbeat-interval",
-        type=float,
+        type=bounded(float, defaults.min_heartbeat_interval_s, defaults.max_heartbeat_interval_s),
         default=defaults.default_heartbeat_interval_s,
         help="seconds, when a client's Hello asks for none",
     )
     g.add_argument(
         "--drain-timeout",
-        type=float,
+        type=bounded(float, 0),
         default=30.0,
         help="seconds live requests may run on after SIGTERM",
     )
     g.add_argument(
         "--engine-dead-grace",
-        type=float,
+        type=bounded(float, 0),
         default=1.0,
         help="seconds to keep answering (health, ENGINE_DEAD refusals) after the engine died,"
         " before exiting with status 3",
     )
-    g.add_argument("--max-clients", type=int, default=defaults.max_clients)
+    g.add_argument("--max-clients", type=count, default=defaults.max_clients)
     g.add_argument(
         "--max-queued-requests",
-        type=int,
+        type=bounded(int, 0),
         default=defaults.max_queued_requests,
         help="samples beyond the engine's max_num_seqs before Overloaded",
     )
     g.add_argument(
         "--max-request-rate-per-client",
-        type=float,
+        type=bounded(float, 0),
         default=defaults.max_request_rate_per_client,
         help="Generates per second per client (token bucket); 0 = unlimited",
     )
-    g.add_argument("--request-rate-burst", type=int, default=defaults.request_rate_burst)
+    g.add_argument("--request-rate-burst", type=count, default=defaults.request_rate_burst)
     g.add_argument(
         "--client-send-hwm",
-        type=int,
+        type=count,
         default=defaults.client_send_hwm,
         help="frames queued to one client before it counts as not reading",
     )
@@ -126,7 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --curve-secret-key: directory of allowed client public keys",
     )
     g.add_argument(
-        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port"
+        "--metrics-port",
+        type=bounded(int, 0, 65535),
+        default=None,
+        help="serve Prometheus /metrics on this port",
     )
     g.add_argument("--metrics-host", default="127.0.0.1")
     g.add_argument(
@@ -137,10 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="LoRA adapter clients may name (with --enable-lora)",
     )
-    add_engine_cli_args(parser)
-    # Token-only serving needs no tokenizer; --no-skip-tokenizer-init loads one.
-    parser.set_defaults(model=None, skip_tokenizer_init=True)
-    return parser
 
 
 def _tiny_model_defaults(args: argparse.Namespace, argv: list[str]) -> None:
@@ -160,20 +216,15 @@ def _tiny_model_defaults(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def _curve_config(args: argparse.Namespace):  # noqa: ANN202 - CurveConfig | None
-    if args.curve_secret_key is None and args.curve_allow_dir is None:
+    if args.curve_secret_key is None:
         return None
-    if args.curve_secret_key is None or args.curve_allow_dir is None:
-        raise SystemExit("--curve-secret-key and --curve-allow-dir go together")
     from .auth import CurveConfig
 
     return CurveConfig(args.curve_secret_key, args.curve_allow_dir)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    from .server import Gateway
-    from .vllm_engine import VllmEngine, engine_args_from_namespace
-
-    limits = GatewayLimits(
+def _limits(args: argparse.Namespace) -> GatewayLimits:
+    return GatewayLimits(
         max_frame_bytes=args.max_frame_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
         max_in_flight_per_client=args.max_in_flight_per_client,
@@ -186,21 +237,97 @@ async def _serve(args: argparse.Namespace) -> int:
         max_clients=args.max_clients,
         default_heartbeat_interval_s=args.heartbeat_interval,
     )
-    engine = await VllmEngine.start(engine_args_from_namespace(args), dict(args.lora_module))
+
+
+def _check_gateway_flags(argv: list[str]) -> None:
+    """Check the gateway's flags in a fraction of a second, before importing vLLM (~10 s)."""
+    quick = argparse.ArgumentParser(prog="engine-gateway serve", add_help=False)
+    _one_line_errors(quick)
+    add_gateway_args(quick)
+    args, _ = quick.parse_known_args(argv)
+    for address in args.bind or [DEFAULT_BIND]:
+        check_bind_address(address)
+        check_address_free(address)
+    check_curve_files(args.curve_secret_key, args.curve_allow_dir)
+    for name, path in args.lora_module:
+        if not Path(path).exists():
+            raise UsageError("--lora-module", f"{name}={path}: no such folder")
+    if argv and not argv[0].startswith("-"):  # `serve MODEL ...`, as `vllm serve`
+        check_model(argv[0])
+
+
+def _preflight(args: argparse.Namespace) -> tuple[object, object]:
+    """The model check; returns vLLM's engine args and config (reads the model, starts nothing)."""
+    from .vllm_engine import engine_args_from_namespace, engine_config
+
+    check_model(args.model)
+    try:
+        engine_args = engine_args_from_namespace(args)
+        return engine_args, engine_config(engine_args)
+    except Exception as exc:  # vLLM's own words for a model or flag it cannot use
+        raise UsageError(None, f"engine configuration: {_first_sentence(exc)}") from None
+
+
+def _first_sentence(exc: Exception) -> str:
+    """The gist of a (often pydantic, many-line) configuration error, in one line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # pydantic.ValidationError: its first error's message
+        with contextlib.suppress(Exception):
+            first = errors()[0]
+            where = ".".join(str(part) for part in first.get("loc", ()))
+            message = str(first.get("msg", "")).removeprefix("Value error, ")
+            exc = ValueError(f"{where}: {message}" if where else message)
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    sentence = text.split(". ")[0]
+    return sentence if len(sentence) <= 300 else sentence[:297] + "..."
+
+
+async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: object) -> int:
+    from .server import BindError, Gateway, Listener
+    from .vllm_engine import VllmEngine
+
+    limits = _limits(args)
+    # Bind first: a bad or busy address fails in a second, not after engine start-up.
+    try:
+        listener = Listener(args.bind, limits, curve=_curve_config(args))
+    except BindError as exc:
+        raise UsageError("--bind", str(exc)) from None
+    try:
+        registry = None
+        if args.metrics_port is not None:
+            from .metrics import start_metrics_server
+
+            try:
+                registry = start_metrics_server(None, args.metrics_port, args.metrics_host)
+            except OSError as exc:
+                raise UsageError(
+                    "--metrics-port", f"{args.metrics_host}:{args.metrics_port}: {exc.strerror}"
+                ) from None
+        try:
+            engine = await VllmEngine.start(
+                engine_args, dict(args.lora_module), vllm_config=vllm_config
+            )
+        except Exception as exc:
+            logger.exception("the engine failed to start")
+            print(f"engine-gateway serve: the engine failed to start: {exc}", file=sys.stderr)
+            return EXIT_START_FAILED
+    except BaseException:
+        listener.close(linger=0)
+        raise
     try:
         gateway = Gateway(
             engine,
-            args.bind or [DEFAULT_BIND],
+            listener.addresses,
             limits,
             drain_timeout_s=args.drain_timeout,
             engine_dead_grace_s=args.engine_dead_grace,
             gateway_version=gateway_version(),
-            curve=_curve_config(args),
+            listener=listener,
         )
-        if args.metrics_port is not None:
-            from .metrics import start_metrics_server
+        if registry is not None:
+            from .metrics import GatewayCollector
 
-            start_metrics_server(gateway, args.metrics_port, args.metrics_host)
+            registry.register(GatewayCollector(gateway))
         loop = asyncio.get_running_loop()
         interrupts = 0
 
@@ -240,29 +367,69 @@ async def _serve(args: argparse.Namespace) -> int:
         await engine.aclose()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``engine-gateway`` and ``python -m gateway``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] != "serve":
-        print(
-            "usage: engine-gateway serve [MODEL] [--bind ADDR] [gateway and vLLM engine"
-            " flags]\n       engine-gateway serve --help",
-            file=sys.stderr,
-        )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    argv = argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def _fail(command: str, message: str) -> int:
+    print(f"engine-gateway {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def serve_main(argv: list[str]) -> int:
+    """``engine-gateway serve``: exit status as in the module docstring."""
+    import importlib.util
+
+    for module, extra in (("uvloop", "server"), ("vllm", "gpu")):
+        if importlib.util.find_spec(module) is None:
+            return _fail(
+                "serve",
+                f"the server needs {module!r}, which is not installed:"
+                f" pip install 'engine-gateway[{extra}]' (or [cpu] for vLLM's CPU build)",
+            )
+    try:
+        _check_gateway_flags(argv)
+    except UsageError as exc:
+        return _fail("serve", str(exc))
     args = build_parser().parse_args(argv)
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.model is None:
-        _tiny_model_defaults(args, argv)
+    args.bind = args.bind or [DEFAULT_BIND]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        if args.model is None:
+            _tiny_model_defaults(args, argv)
+        engine_args, vllm_config = _preflight(args)
         import uvloop
 
-        return uvloop.run(_serve(args))
+        return uvloop.run(_serve(args, engine_args, vllm_config))
+    except UsageError as exc:
+        return _fail("serve", str(exc))
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``engine-gateway`` and ``python -m gateway``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else EXIT_USAGE
+    command, rest = argv[0], argv[1:]
+    if command == "--version":
+        print(f"engine-gateway {gateway_version()}")
+        return 0
+    if command == "serve":
+        return serve_main(rest)
+    if command == "keys":
+        from .keys_cli import keys_main
+
+        return keys_main(rest)
+    if command == "bench":
+        from bench.harness import main as bench_main
+
+        return bench_main(rest)
+    print(
+        f"engine-gateway: error: unknown command {command!r} (serve, keys or bench; see --help)",
+        file=sys.stderr,
+    )
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from .server import Gateway
 
 __all__ = ["StepHistogram", "GatewayCollector", "start_metrics_server"]
@@ -107,10 +109,19 @@ class GatewayCollector:
         )
 
 
-def start_metrics_server(gateway: Gateway, port: int, addr: str = "127.0.0.1") -> None:
-    """Serve /metrics on ``addr:port`` from a background thread (prometheus-client)."""
+def start_metrics_server(
+    gateway: Gateway | None, port: int, addr: str = "127.0.0.1"
+) -> CollectorRegistry:
+    """Serve /metrics on ``addr:port`` from a background thread (prometheus-client).
+
+    With ``gateway`` None the port is bound now and serves nothing until
+    ``registry.register(GatewayCollector(gateway))`` (the CLI binds before the
+    engine starts). Raises OSError when the port cannot be bound.
+    """
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
-    registry.register(GatewayCollector(gateway))
+    if gateway is not None:
+        registry.register(GatewayCollector(gateway))
     start_http_server(port, addr=addr, registry=registry)
+    return registry

@@ -27,9 +27,10 @@ from .auth import CurveConfig
 from .engine import Engine
 from .errors import EngineDead, SubmitFailed
 from .metrics import StepHistogram
+from .preflight import ipc_path_in_use
 from .sessions import Effects, GatewayLimits, SessionTable
 
-__all__ = ["Gateway", "EXIT_OK", "EXIT_ENGINE_DEAD"]
+__all__ = ["Gateway", "Listener", "BindError", "EXIT_OK", "EXIT_ENGINE_DEAD"]
 
 logger = logging.getLogger("engine_gateway")
 
@@ -46,8 +47,71 @@ _YIELD_AFTER_S = 0.002  # ...or this much time holding the event loop, whichever
 _BACKLOG_EXTRA_REPLIES = 1024
 
 
+class BindError(Exception):
+    """An address could not be bound (in use, bad syntax, no permission)."""
+
+    def __init__(self, address: str, message: str):
+        super().__init__(f"{address}: {message}")
+        self.address = address
+        self.message = message
+
+
+class Listener:
+    """The gateway's ROUTER socket, bound to its addresses (before the engine starts).
+
+    ``bind`` raises BindError, with the socket closed, if any address fails.
+    """
+
+    def __init__(
+        self,
+        binds: Sequence[str],
+        limits: GatewayLimits,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        curve: CurveConfig | None = None,
+    ):
+        self._own_ctx = context is None
+        self.ctx = context or zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.addresses: list[str] = []
+        self._authenticator = None
+        sock = self.sock
+        try:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH tells us a client left
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # same identity reconnecting takes over
+            sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes * _HARD_MESSAGE_FACTOR)
+            sock.setsockopt(zmq.SNDHWM, limits.client_send_hwm)
+            sock.setsockopt(zmq.LINGER, 2000)
+            if curve is not None:
+                self._authenticator = curve.apply(self.ctx, sock)
+            for address in binds:
+                if address.startswith("ipc://") and ipc_path_in_use(address[6:]):
+                    raise BindError(address, "address already in use (a process serves there)")
+                try:
+                    sock.bind(address)
+                except zmq.ZMQError as exc:
+                    reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc
+                    raise BindError(address, str(reason)) from None
+                self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except BaseException:
+            self.close(linger=0)
+            raise
+
+    def close(self, linger: int = 2000) -> None:
+        self.sock.close(linger=linger)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+        if self._own_ctx:
+            self.ctx.term()
+
+
 class Gateway:
-    """Serves ``engine`` on ``bind`` addresses (tcp:// or ipc://) until stopped."""
+    """Serves ``engine`` on ``bind`` addresses (tcp:// or ipc://) until stopped.
+
+    ``listener``: sockets bound beforehand (the CLI binds before starting the
+    engine); the gateway closes it when it stops. Otherwise ``serve`` binds.
+    """
 
     def __init__(
         self,
@@ -60,6 +124,7 @@ class Gateway:
         gateway_version: str = "0",
         context: zmq.asyncio.Context | None = None,
         curve: CurveConfig | None = None,
+        listener: Listener | None = None,
     ):
         self.engine = engine
         self.limits = limits
@@ -71,7 +136,7 @@ class Gateway:
         self.ready = asyncio.Event()
         self.exit_code = EXIT_OK
         self._ctx = context
-        self._own_ctx = context is None
+        self._listener = listener
         self._sock: zmq.asyncio.Socket | None = None
         self._stop = asyncio.Event()
         self._drain_deadline: float | None = None
@@ -108,22 +173,14 @@ class Gateway:
 
     async def serve(self) -> int:
         """Run until stopped; returns the process exit code to use."""
-        ctx = self._ctx or zmq.asyncio.Context()
-        self._ctx = ctx
-        sock = ctx.socket(zmq.ROUTER)
+        listener = self._listener or Listener(
+            self.binds, self.limits, context=self._ctx, curve=self._curve
+        )
+        self._listener = None  # closed below: a second serve() binds afresh
+        sock = listener.sock
         self._sock = sock
-        authenticator = None
+        self.addresses = listener.addresses
         try:
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH tells us a client left
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # same identity reconnecting takes over
-            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes * _HARD_MESSAGE_FACTOR)
-            sock.setsockopt(zmq.SNDHWM, self.limits.client_send_hwm)
-            sock.setsockopt(zmq.LINGER, 2000)
-            if self._curve is not None:
-                authenticator = self._curve.apply(ctx, sock)
-            for address in self.binds:
-                sock.bind(address)
-                self.addresses.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             self.ready.set()
             async with asyncio.TaskGroup() as tasks:
                 loops = [
@@ -135,11 +192,7 @@ class Gateway:
                 for loop in loops:
                     loop.cancel()
         finally:
-            sock.close(linger=2000 if self.exit_code == EXIT_OK else 500)
-            if authenticator is not None:
-                authenticator.stop()
-            if self._own_ctx:
-                ctx.term()
+            listener.close(linger=2000 if self.exit_code == EXIT_OK else 500)
         return self.exit_code
 
     # ------------------------------------------------------------ loops

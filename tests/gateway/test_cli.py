@@ -1,0 +1,246 @@
+"""`engine-gateway` as an operator meets it: every mistake is one line on stderr naming the
+flag, exit status 2, and no engine started or left behind. Each case is a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.conftest import ipc_address
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMAND = shutil.which("engine-gateway", path=str(Path(sys.executable).parent))
+
+
+def run_cli(*argv: str, python_prelude: str | None = None, timeout: float = 120):
+    """Run `engine-gateway ARGV` in its own session; return (code, stdout, stderr, seconds).
+
+    Asserts that no process of that session outlives it (no engine left behind).
+    """
+    if python_prelude is None:
+        cmd = [COMMAND, *argv]
+    else:  # the same entry point, after some set-up (e.g. hiding vLLM)
+        code = f"{python_prelude}\nimport sys\nfrom gateway.cli import main\nsys.exit(main())"
+        cmd = [sys.executable, "-c", code, *argv]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    elapsed = time.monotonic() - start
+    left = session_members(proc.pid)
+    for pid in left:
+        os.kill(pid, 9)
+    assert left == [], f"processes left behind: {left}"
+    return proc.returncode, out, err, elapsed
+
+
+def session_members(sid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    members.append(int(entry))
+            except OSError:
+                pass
+    return members
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("engine-gateway serve: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], err
+
+
+# ------------------------------------------------------------ found before vLLM is imported
+# These answer in well under the ~10 s that importing vLLM takes, and far before the engine.
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--bind", "garbage://x"], ["--bind", "garbage://x", "tcp://HOST:PORT"]),
+        (["--bind", "tcp://127.0.0.1:99999"], ["--bind", "port must be 0-65535"]),
+        (["--bind", "tcp://127.0.0.1"], ["--bind", "expected tcp://HOST:PORT"]),
+        (["--bind", "ipc:///no/such/folder/gw.sock"], ["--bind", "'/no/such/folder'"]),
+        (["--bind", "ipc:///tmp/" + "x" * 120], ["--bind", "AF_UNIX"]),
+        (["--max-clients", "0"], ["--max-clients", "at least 1"]),
+        (["--max-frame-bytes", "many"], ["--max-frame-bytes", "'many'"]),
+        (["--heartbeat-interval", "1000"], ["--heartbeat-interval", "between"]),
+        (["--drain-timeout", "nan"], ["--drain-timeout"]),
+        (["--metrics-port", "70000"], ["--metrics-port"]),
+        (["--lora-module", "a"], ["--lora-module", "NAME=PATH"]),
+        (["--lora-module", "a=/no/such/adapter"], ["--lora-module", "/no/such/adapter"]),
+        (["/nonexistent/model"], ["'/nonexistent/model'", "no such folder"]),
+        (["./not-here"], ["'./not-here'"]),
+    ],
+)
+def test_bad_flags_fail_fast_with_one_line_naming_the_flag(argv, fragments):
+    code, _, err, elapsed = run_cli("serve", *argv)
+    assert_one_line_error(code, err, *fragments)
+    assert elapsed < 8, f"took {elapsed:.1f}s: was vLLM imported or the engine started?"
+
+
+def test_model_folder_without_config_is_refused(tmp_path):
+    code, _, err, elapsed = run_cli("serve", str(tmp_path))
+    assert_one_line_error(code, err, str(tmp_path), "no config.json")
+    assert elapsed < 8
+
+
+def test_busy_tcp_port_is_refused_before_the_engine_starts():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err, elapsed = run_cli("serve", "--bind", f"tcp://127.0.0.1:{port}")
+    assert_one_line_error(code, err, "--bind", f"tcp://127.0.0.1:{port}", "already in use")
+    assert elapsed < 8
+
+
+def test_ipc_path_served_by_another_process_is_not_taken_over():
+    """ZeroMQ would silently bind over a live ipc socket; the gateway refuses instead."""
+    address = ipc_address("busy")
+    ctx = zmq.Context()
+    other = ctx.socket(zmq.ROUTER)
+    other.bind(address)
+    try:
+        code, _, err, _ = run_cli("serve", "--bind", address)
+        assert_one_line_error(code, err, "--bind", address, "already in use")
+        # The other process still owns its address: a client reaches it.
+        peer = ctx.socket(zmq.DEALER)
+        peer.connect(address)
+        peer.send(b"still here")
+        assert other.poll(5000) and other.recv_multipart()[1] == b"still here"
+        peer.close(0)
+    finally:
+        other.close(0)
+        ctx.term()
+
+
+def test_a_stale_ipc_socket_file_is_bound_over(tmp_path):
+    from gateway.preflight import check_address_free, ipc_path_in_use
+
+    path = tmp_path / "stale.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # the file stays; nobody listens
+    assert path.exists() and not ipc_path_in_use(str(path))
+    check_address_free(f"ipc://{path}")  # no error
+
+
+@pytest.fixture
+def keys(tmp_path):
+    from gateway.keys_cli import keys_main
+
+    assert keys_main(["--server", str(tmp_path / "server")]) == 0
+    assert (
+        keys_main(["--client", "c", str(tmp_path / "c"), "--allow-dir", str(tmp_path / "ok")]) == 0
+    )
+    return tmp_path
+
+
+def test_key_file_problems_name_the_flag_and_the_file(keys):
+    garbage = keys / "garbage.key_secret"
+    garbage.write_text("not a certificate\n")
+    secret = str(keys / "server" / "server.key_secret")
+    cases = [
+        (["--curve-secret-key", secret], ["--curve-allow-dir", "go together"]),
+        (["--curve-allow-dir", str(keys / "ok")], ["--curve-secret-key", "go together"]),
+        (
+            ["--curve-secret-key", str(keys / "missing"), "--curve-allow-dir", str(keys / "ok")],
+            ["--curve-secret-key", "no such file"],
+        ),
+        (
+            ["--curve-secret-key", str(keys / "server" / "server.key")]
+            + ["--curve-allow-dir", str(keys / "ok")],
+            ["--curve-secret-key", "holds no secret key"],
+        ),
+        (
+            ["--curve-secret-key", str(garbage), "--curve-allow-dir", str(keys / "ok")],
+            ["--curve-secret-key", "not a readable certificate"],
+        ),
+        (
+            ["--curve-secret-key", secret, "--curve-allow-dir", str(keys / "nowhere")],
+            ["--curve-allow-dir", "no such folder"],
+        ),
+        (
+            ["--curve-secret-key", secret, "--curve-allow-dir", str(keys / "server" / "none")],
+            ["--curve-allow-dir"],
+        ),
+    ]
+    (keys / "server" / "none").mkdir()
+    for argv, fragments in cases:
+        code, _, err, elapsed = run_cli("serve", *argv)
+        assert_one_line_error(code, err, *fragments)
+        assert elapsed < 8
+
+
+def test_serve_without_vllm_names_the_extra_to_install():
+    """A client-only install (`pip install engine-gateway`): no traceback, the extra named."""
+    code, _, err, _ = run_cli("serve", python_prelude="import sys; sys.modules['vllm'] = None")
+    assert_one_line_error(code, err, "'vllm'", "pip install 'engine-gateway[gpu]'", "[cpu]")
+
+
+def test_keys_command_makes_working_folders_from_nothing_and_never_overwrites(tmp_path):
+    code, out, err, _ = run_cli("keys", "--server", str(tmp_path / "a" / "b"))
+    assert code == 0, err
+    assert (tmp_path / "a" / "b" / "server.key").is_file()
+    secret = tmp_path / "a" / "b" / "server.key_secret"
+    assert secret.stat().st_mode & 0o077 == 0  # owner only
+    before = secret.read_bytes()
+    code, _, err, _ = run_cli("keys", "--server", str(tmp_path / "a" / "b"))
+    assert code == 2 and "exists" in err and secret.read_bytes() == before
+    code, _, err, _ = run_cli("keys", "--server", str(tmp_path / "a" / "b"), "--force")
+    assert code == 0 and secret.read_bytes() != before
+    code, _, err, _ = run_cli("keys", "--client", "../x", str(tmp_path))
+    assert code == 2 and "plain file name" in err
+
+
+def test_top_level_usage_and_unknown_command():
+    code, out, _, _ = run_cli("--help")
+    assert code == 0 and "serve" in out and "keys" in out and "bench" in out
+    code, _, err, _ = run_cli("frobnicate")
+    assert code == 2 and "unknown command 'frobnicate'" in err
+
+
+# ------------------------------------------------------------ found after vLLM's parser loads
+
+
+def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
+    """Needs vLLM's parser (~10 s each): --help, an unknown flag, a config vLLM refuses."""
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    runs = {
+        "help": ["serve", "--help"],
+        "unknown": ["serve", "--no-such-flag", "3"],
+        "config": ["serve", str(tmp_path)],
+    }
+    results = {name: run_cli(*argv) for name, argv in runs.items()}
+    code, out, err, _ = results["help"]
+    assert code == 0 and out.startswith("usage: engine-gateway serve"), out[:500]
+    assert "--curve-secret-key" in out and "--max-model-len" in out  # ours and vLLM's
+    assert err.strip() == "", err  # no Triton or platform notes
+    code, _, err, _ = results["unknown"]
+    assert_one_line_error(code, err, "--no-such-flag")
+    code, _, err, _ = results["config"]
+    assert_one_line_error(code, err, "engine configuration", "no-such-architecture")
