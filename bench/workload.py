@@ -39,11 +39,12 @@ class RequestRecord:
     """Client-side timings of one request (monotonic seconds)."""
 
     start: float
+    prompt_len: int = 0
     first_token: float | None = None
     end: float | None = None
     output_tokens: int = 0
     token_times: list[float] = field(default_factory=list)  # arrival time of each frame's tokens
-    error: str | None = None
+    error: str | None = None  # what failed it (an ErrorCode name in the gateway bench)
 
     def got(self, n_tokens: int) -> None:
         """Record a frame of ``n_tokens`` new tokens arriving now (frames with none are ignored)."""
@@ -93,18 +94,34 @@ async def closed_loop(
 
 
 async def open_loop(
-    stream: Stream, requests: list[tuple[list[int], int]], rate: float, seed: int = 0
+    stream: Stream,
+    requests: list[tuple[list[int], int]],
+    rate: float,
+    seed: int = 0,
+    *,
+    arrival: str = "poisson",
+    max_concurrency: int | None = None,
 ) -> RunResult:
-    """Start requests at Poisson arrivals of ``rate`` per second, whatever is in flight."""
+    """Start requests at ``rate`` per second, whatever is in flight: Poisson arrivals
+    (exponential gaps) or ``arrival="constant"`` (even gaps); ``rate`` inf starts all at
+    once. ``max_concurrency`` caps requests in flight (later ones wait their turn)."""
+    if arrival not in ("poisson", "constant"):
+        raise ValueError(f"arrival must be poisson or constant, got {arrival!r}")
     rng = random.Random(seed)
     records: list[RequestRecord] = []
+    cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(prompt: list[int], max_tokens: int) -> None:
-        records.append(await stream(prompt, max_tokens))
+        if cap is None:
+            records.append(await stream(prompt, max_tokens))
+            return
+        async with cap:
+            records.append(await stream(prompt, max_tokens))
 
     start = time.monotonic()
     async with asyncio.TaskGroup() as tasks:
         for prompt, max_tokens in requests:
             tasks.create_task(one(prompt, max_tokens))
-            await asyncio.sleep(rng.expovariate(rate))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate) if arrival == "poisson" else 1 / rate)
     return RunResult(records, time.monotonic() - start)
