@@ -178,7 +178,7 @@ def _processing_time(iterations: int = 20000) -> dict:
     step = [FakeOutput(engine_id, [1234])]
 
     def one_frame() -> None:
-        for client_id, msg in table.on_step(step):
+        for client_id, msg in table.on_step(step, 0.0).replies:
             router.send_multipart([client_id, VERSION_FRAME, encode_payload(msg)], zmq.NOBLOCK)
 
     per_frame = min(timeit.repeat(one_frame, number=iterations, repeat=5)) / iterations * 1e6

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from codec import Finished, FinishReason, Logprobs, RequestOutput
+from codec import Finished, FinishReason, Logprobs, RequestOutput, RequestTimings
 
 __all__ = ["Completion", "Accumulator"]
 
@@ -17,12 +18,15 @@ class Completion:
     index: int
     token_ids: list[int]
     finish_reason: FinishReason
-    stop_reason: int | None
+    stop_reason: int | list[int] | None  # a stop token id, or the matched stop sequence
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    external_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    timings: RequestTimings | None = None
 
 
 @dataclass(slots=True)
@@ -43,10 +47,16 @@ class Accumulator:
         fin: Finished | None = out.finished
         if fin is None:
             return None
+        tokens = self.token_ids[i]
+        if isinstance(fin.stop_reason, list) and len(tokens) > fin.output_tokens:
+            # A stop sequence matched in tokens streamed at once (hold_back_stop_sequences
+            # false): the gateway's cut is output_tokens.
+            del tokens[fin.output_tokens :]
+            self.logprobs[i] = Logprobs.rows(self.logprobs[i], 0, fin.output_tokens)
         completion = Completion(
             request_id=out.request_id,
             index=i,
-            token_ids=self.token_ids[i],
+            token_ids=tokens,
             finish_reason=fin.finish_reason,
             stop_reason=fin.stop_reason,
             prompt_tokens=fin.prompt_tokens,
@@ -54,6 +64,9 @@ class Accumulator:
             cached_tokens=fin.cached_tokens,
             logprobs=self.logprobs[i],
             prompt_logprobs=self.prompt_logprobs[i],
+            external_cached_tokens=fin.external_cached_tokens,
+            kv_transfer_params=fin.kv_transfer_params,
+            timings=fin.timings,
         )
         self.done[i] = completion
         return completion

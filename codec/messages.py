@@ -86,6 +86,7 @@ class FinishReason(_OpenIntEnum):
     ABORT = 2  # aborted by the client, a disconnect, or a drain deadline
     ERROR = 3  # the engine failed this request
     REPETITION = 4  # vLLM's repetition detection stopped it
+    TIMED_OUT = 32  # the gateway ended it: RequestOptions.deadline_s or stall_timeout_s passed
 
 
 class ErrorCode(_OpenIntEnum):
@@ -155,6 +156,10 @@ class SamplingParams(
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # Gateway-side (not vLLM's): token-level stop sequences, PROTOCOL.md §7.9.
+    stop_token_sequences: list[list[int]] | None = None
+    include_stop_sequence: bool | None = None  # keep the matched sequence (default false)
+    hold_back_stop_sequences: bool | None = None  # default true; false: stream at once
 
 
 class RequestOptions(
@@ -167,6 +172,9 @@ class RequestOptions(
     kv_transfer_params: dict[str, Any] | None = None
     lora_name: str | None = None
     data_parallel_rank: int | None = None
+    # Gateway-side timeouts, seconds (PROTOCOL.md §7.10): finish reason TIMED_OUT.
+    deadline_s: float | None = None  # from acceptance to the last sample's end
+    stall_timeout_s: float | None = None  # longest wait for the next output
 
 
 # ---------------------------------------------------------------- client -> gateway
@@ -242,6 +250,8 @@ class Limits(msgspec.Struct, frozen=True, gc=False):
     max_request_rate_per_client: float = 0.0  # 0: unlimited
     client_send_hwm: int = 0
     max_clients: int = 0  # sessions at once; 0: unlimited
+    max_stop_sequences: int = 0  # per request; 0: stop_token_sequences unsupported
+    max_stop_sequence_len: int = 0
 
 
 class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -267,15 +277,39 @@ class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
             first.ranks + then.ranks,
         )
 
+    @staticmethod
+    def rows(logprobs: Logprobs | None, start: int, stop: int | None = None) -> Logprobs | None:
+        """Positions ``start:stop`` (None stays None; an empty slice is None)."""
+        if logprobs is None:
+            return None
+        ranks = logprobs.ranks[start:stop]
+        if not ranks:
+            return None
+        return Logprobs(logprobs.token_ids[start:stop], logprobs.logprobs[start:stop], ranks)
+
+
+class RequestTimings(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """When a sample went through the engine: seconds since the gateway accepted the
+    Generate (None where unknown). Queued and scheduled are the engine's own events."""
+
+    queued_s: float | None = None
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
 
 class Finished(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Present on exactly one RequestOutput per sample: the terminal one."""
 
     finish_reason: FinishReason
-    stop_reason: int | None  # the stop token id that ended it, if any
+    # The stop token id that ended it, or the matched stop sequence (a list of ids).
+    stop_reason: int | list[int] | None
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # from the engine's final output
+    external_cached_tokens: int = 0  # of cached_tokens, loaded through a KV connector
+    timings: RequestTimings | None = None
 
 
 class RequestOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):

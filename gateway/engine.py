@@ -16,6 +16,7 @@ from codec import Generate, Logprobs
 __all__ = [
     "EngineInfo",
     "PrefillStatsLike",
+    "EngineEventLike",
     "PreparedRequest",
     "StepOutput",
     "Engine",
@@ -37,6 +38,11 @@ class EngineInfo:
 
 class PrefillStatsLike(Protocol):
     num_cached_tokens: int
+
+
+class EngineEventLike(Protocol):
+    type: int
+    timestamp: float  # monotonic seconds, on the engine's host
 
 
 class PreparedRequest(Protocol):
@@ -67,6 +73,15 @@ class StepOutput(Protocol):
     def new_prompt_logprobs_tensors(self) -> Logprobs | None: ...
     @property
     def prefill_stats(self) -> PrefillStatsLike | None: ...
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """On the final output: what a KV connector returns for the next engine (P/D)."""
+        ...
+
+    @property
+    def events(self) -> Sequence[EngineEventLike] | None:
+        """vLLM's EngineCoreEvents (QUEUED=1, SCHEDULED=2), when the engine records them."""
+        ...
 
 
 class Engine(Protocol):

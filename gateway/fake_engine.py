@@ -30,6 +30,8 @@ class FakeOutput:
     new_logprobs: None = None
     new_prompt_logprobs_tensors: None = None
     prefill_stats: None = None
+    kv_transfer_params: dict | None = None
+    events: None = None
 
 
 @dataclass(slots=True)

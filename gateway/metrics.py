@@ -73,6 +73,17 @@ class GatewayCollector:
             "Sessions ended by heartbeat timeout",
             value=stats.clients_expired,
         )
+        yield CounterMetricFamily(
+            p + "timed_out", "Requests ended by deadline_s or stall_timeout_s", stats.timed_out
+        )
+        yield CounterMetricFamily(
+            p + "stop_sequence_hits", "Samples ended by a stop sequence", stats.stop_sequence_hits
+        )
+        yield CounterMetricFamily(
+            p + "late_outputs",
+            "Engine outputs for samples already ended (dropped; the engine was told to stop)",
+            stats.late_outputs,
+        )
         errors = CounterMetricFamily(p + "errors", "Error frames sent, by code", labels=["code"])
         for code, n in gw.errors_by_code.items():
             errors.add_metric([code.name.lower()], n)

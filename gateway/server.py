@@ -242,9 +242,12 @@ class Gateway:
                 self._on_engine_dead(exc.message)
                 return
             start = clock()
-            for client_id, msg in table.on_step(outputs):
+            effects = table.on_step(outputs, time.monotonic())
+            for client_id, msg in effects.replies:
                 send(client_id, msg)
             observe(clock() - start)
+            if effects.abort:  # samples a stop sequence ended: the engine stops them now
+                await self._abort_in_engine(effects.abort)
             # get_output() returns queued steps without yielding; under sustained load
             # this keeps inbound frames (aborts, heartbeats) flowing between steps.
             await asyncio.sleep(0)

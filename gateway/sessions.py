@@ -13,6 +13,9 @@ Rules (this is the one place they live):
   sent for a request after its terminal output, even when outputs race an abort.
 - Every way a request ends (engine finish aside) goes through ``_end_requests``,
   which takes the samples to end and why; callers only choose which and why.
+- Requests may carry stop sequences (matched here, per sample: stop_sequences.py)
+  and timeouts (``expire``); both end samples through the same paths as the
+  engine or an abort, and tell the engine to stop.
 - A client whose send pipe is full (the server reports it) is a slow consumer:
   its requests end with SLOW_CONSUMER and it may not open a new session until
   the frames already owed to it were delivered (``on_send_unblocked``).
@@ -52,12 +55,14 @@ from codec import (
     Pong,
     ProtocolError,
     RequestOutput,
+    RequestTimings,
     ServerMessage,
     prompt_too_long,
 )
 
 from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_request_id
 from .errors import RequestRejected
+from .stop_sequences import StopMatcher, check_stop_sequences
 
 __all__ = ["GatewayLimits", "GatewayState", "Effects", "SessionTable", "Reply"]
 
@@ -79,6 +84,8 @@ class GatewayLimits:
     request_rate_burst: int = 256
     client_send_hwm: int = 10_000  # frames queued to one client before it is a slow consumer
     max_clients: int = 4096  # sessions at once (and slow consumers still owed frames)
+    max_stop_sequences: int = 32  # SamplingParams.stop_token_sequences per request
+    max_stop_sequence_len: int = 64  # tokens in one stop sequence
     default_heartbeat_interval_s: float = 5.0
     min_heartbeat_interval_s: float = 0.05
     max_heartbeat_interval_s: float = 300.0
@@ -94,6 +101,9 @@ class TableStats:
     aborted_by_client: int = 0
     clients_expired: int = 0
     slow_consumers: int = 0
+    timed_out: int = 0  # requests ended by deadline_s or stall_timeout_s
+    stop_sequence_hits: int = 0  # samples ended by a stop sequence
+    late_outputs: int = 0  # engine outputs for samples the gateway had already ended
     finished: Counter[str] = field(default_factory=Counter)  # by FinishReason name
     overloaded: Counter[str] = field(default_factory=Counter)  # by limit name
 
@@ -117,16 +127,25 @@ class Effects:
 class _Sample:
     engine_request_id: str
     index: int
-    output_tokens: int = 0
+    output_tokens: int = 0  # delivered (or to be delivered) to the client
     cached_tokens: int = 0
+    external_cached_tokens: int = 0
     done: bool = False
     # Only for stream=False: everything produced so far.
     token_ids: list[int] | None = None
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    # Stop sequences: the matcher, and streamed tokens held back (not sent yet).
+    matcher: StopMatcher | None = None
+    held_ids: list[int] = field(default_factory=list)
+    held_logprobs: Logprobs | None = None
+    # Monotonic times (engine events share the host's monotonic clock).
+    queued_at: float | None = None
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Request:
     client_id: bytes
     request_id: str
@@ -134,6 +153,10 @@ class _Request:
     prompt_tokens: int
     samples: list[_Sample]
     live_samples: int
+    accepted_at: float = 0.0
+    last_output_at: float = 0.0
+    deadline_at: float | None = None
+    stall_timeout_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -170,6 +193,7 @@ class SessionTable:
         self._by_engine_id: dict[str, tuple[_Request, _Sample]] = {}
         self._live_requests = 0
         self._live_samples = 0
+        self._timed: dict[int, _Request] = {}  # requests with a deadline or stall timeout
         self.stats = TableStats()
         max_prompt = limits.max_prompt_tokens or info.max_model_len
         self.model_info = ModelInfo(
@@ -189,6 +213,8 @@ class SessionTable:
             max_request_rate_per_client=limits.max_request_rate_per_client,
             client_send_hwm=limits.client_send_hwm,
             max_clients=limits.max_clients,
+            max_stop_sequences=limits.max_stop_sequences,
+            max_stop_sequence_len=limits.max_stop_sequence_len,
         )
         self._handlers: dict[type, Callable[[bytes, object, float], Effects]] = {
             Hello: self._on_hello,
@@ -359,6 +385,9 @@ class SessionTable:
                 ErrorCode.INVALID_REQUEST,
                 prompt_too_long(prompt_tokens, limits.max_prompt_tokens),
             )
+        problem = self._check_gateway_fields(msg)
+        if problem is not None:
+            return self._refuse(client_id, request_id, ErrorCode.INVALID_REQUEST, problem)
         engine_request_id = f"g{next(self._engine_ids)}"
         try:
             prepared = self._prepare(engine_request_id, msg)
@@ -381,7 +410,22 @@ class SessionTable:
             )
             for i in range(n)
         ]
-        request = _Request(client_id, request_id, msg.stream, prompt_tokens, samples, n)
+        sampling = msg.sampling
+        if sampling.stop_token_sequences:
+            for sample in samples:
+                sample.matcher = StopMatcher(
+                    sampling.stop_token_sequences,
+                    include=bool(sampling.include_stop_sequence),
+                    min_tokens=sampling.min_tokens or 0,
+                    hold_back=msg.stream and sampling.hold_back_stop_sequences is not False,
+                )
+        request = _Request(client_id, request_id, msg.stream, prompt_tokens, samples, n, now, now)
+        options = msg.options
+        if options is not None and (options.deadline_s or options.stall_timeout_s):
+            if options.deadline_s:
+                request.deadline_at = now + options.deadline_s
+            request.stall_timeout_s = options.stall_timeout_s
+            self._timed[id(request)] = request
         client.requests[request_id] = request
         for sample in samples:
             self._by_engine_id[sample.engine_request_id] = (request, sample)
@@ -389,6 +433,27 @@ class SessionTable:
         self._live_samples += n
         self.stats.requests_accepted += 1
         return Effects(submit=list(prepared))
+
+    def _check_gateway_fields(self, msg: Generate) -> str | None:
+        """Checks of the fields the gateway (not vLLM) acts on; the problem, or None."""
+        sequences = msg.sampling.stop_token_sequences
+        if sequences:
+            limits = self.wire_limits
+            problem = check_stop_sequences(
+                sequences,
+                self.info.vocab_size,
+                limits.max_stop_sequences,
+                limits.max_stop_sequence_len,
+            )
+            if problem is not None:
+                return problem
+        options = msg.options
+        if options is not None:
+            for name in ("deadline_s", "stall_timeout_s"):
+                value = getattr(options, name)
+                if value is not None and not 0 < value < 1e9:  # nan and inf fail too
+                    return f"{name} must be a number of seconds above 0, got {value}."
+        return None
 
     def _overloaded(
         self, client_id: bytes, request_id: str, limit: str, value: int, current: int
@@ -426,7 +491,7 @@ class SessionTable:
             else:
                 aborted.append(request)
         self.stats.aborted_by_client += len(aborted)
-        self._end_requests(aborted, FinishReason.ABORT, effects)
+        self._end_requests(aborted, FinishReason.ABORT, effects, now=now)
         ack = AbortAck([r.request_id for r in aborted], unknown, msg.call_id)
         effects.replies.append((client_id, ack))
         return effects
@@ -450,65 +515,134 @@ class SessionTable:
 
     # ------------------------------------------------------------ engine side
 
-    def on_step(self, outputs: Sequence[StepOutput]) -> list[Reply]:
-        """One engine step: at most one Outputs frame per client."""
+    def on_step(self, outputs: Sequence[StepOutput], now: float) -> Effects:
+        """One engine step: at most one Outputs frame per client, and the engine ids to
+        abort (samples a stop sequence ended)."""
+        effects = Effects()
         per_client: dict[bytes, list[RequestOutput]] = {}
         by_engine_id = self._by_engine_id
         for out in outputs:
             entry = by_engine_id.get(out.request_id)
-            if entry is None:
-                continue  # aborted or timed out already: its terminal was sent
+            if entry is None:  # aborted or timed out already: its terminal was sent
+                self.stats.late_outputs += 1
+                continue
             request, sample = entry
-            reply = self._on_sample_output(request, sample, out)
+            reply = self._on_sample_output(request, sample, out, now, effects.abort)
             if reply is not None:
                 bucket = per_client.get(request.client_id)
                 if bucket is None:
                     per_client[request.client_id] = [reply]
                 else:
                     bucket.append(reply)
-        return [(client_id, Outputs(batch)) for client_id, batch in per_client.items()]
+        effects.replies = [(client_id, Outputs(batch)) for client_id, batch in per_client.items()]
+        return effects
 
     def _on_sample_output(
-        self, request: _Request, sample: _Sample, out: StepOutput
+        self, request: _Request, sample: _Sample, out: StepOutput, now: float, abort: list[str]
     ) -> RequestOutput | None:
         new_token_ids = out.new_token_ids
-        sample.output_tokens += len(new_token_ids)
-        self.stats.output_tokens += len(new_token_ids)
+        new_logprobs = out.new_logprobs
+        if new_token_ids:
+            request.last_output_at = now
+            if sample.first_token_at is None:
+                sample.first_token_at = now
         stats = out.prefill_stats
         if stats is not None:
             sample.cached_tokens = stats.num_cached_tokens
+            sample.external_cached_tokens = getattr(stats, "num_external_cached_tokens", 0)
+        events = getattr(out, "events", None)
+        if events:
+            _note_events(sample, events)
         reason = out.finish_reason
+        stop = out.stop_reason
+        stop_reason = stop if isinstance(stop, int) else None
+        cut_to = None
+        matcher = sample.matcher
+        if matcher is not None:
+            check = matcher.feed(
+                new_token_ids, engine_stopped=reason == FinishReason.STOP, final=reason is not None
+            )
+            if sample.held_ids:
+                new_token_ids = sample.held_ids + new_token_ids
+                new_logprobs = Logprobs.concat(sample.held_logprobs, new_logprobs)
+            release = check.release
+            held_ids, held_logprobs = new_token_ids[release:], Logprobs.rows(new_logprobs, release)
+            new_token_ids = new_token_ids[:release]
+            new_logprobs = Logprobs.rows(new_logprobs, 0, release)
+            if check.matched is not None:
+                if reason is None:
+                    abort.append(sample.engine_request_id)  # the engine would go on
+                reason = FinishReason.STOP
+                stop_reason = matcher.sequences[check.matched]
+                cut_to = check.kept
+                self.stats.stop_sequence_hits += 1
+                sample.held_ids, sample.held_logprobs = [], None
+            else:
+                sample.held_ids, sample.held_logprobs = held_ids, held_logprobs
+        sample.output_tokens += len(new_token_ids)
+        self.stats.output_tokens += len(new_token_ids)
         finished = None
         if reason is not None:
+            if cut_to is not None:
+                sample.output_tokens = cut_to
             self.stats.finished[FinishReason(reason).name] += 1
-            stop = out.stop_reason
-            finished = Finished(
-                FinishReason(reason),
-                stop if isinstance(stop, int) else None,
-                request.prompt_tokens,
-                sample.output_tokens,
-                sample.cached_tokens,
+            finished = self._finished(
+                request, sample, FinishReason(reason), stop_reason, now, out.kv_transfer_params
             )
         if request.stream:
             if finished is not None:
                 self._retire(request, sample)
+            elif not new_token_ids and out.new_prompt_logprobs_tensors is None:
+                return None  # every new token held back
             return RequestOutput(
                 request.request_id,
                 new_token_ids,
                 finished,
-                out.new_logprobs,
+                new_logprobs,
                 out.new_prompt_logprobs_tensors,
                 sample.index,
             )
         sample.token_ids.extend(new_token_ids)
-        sample.logprobs = Logprobs.concat(sample.logprobs, out.new_logprobs)
+        sample.logprobs = Logprobs.concat(sample.logprobs, new_logprobs)
         sample.prompt_logprobs = Logprobs.concat(
             sample.prompt_logprobs, out.new_prompt_logprobs_tensors
         )
         if finished is None:
             return None
+        if cut_to is not None and len(sample.token_ids) > cut_to:
+            del sample.token_ids[cut_to:]
+            sample.logprobs = Logprobs.rows(sample.logprobs, 0, cut_to)
         self._retire(request, sample)
         return self._final_output(request, sample, finished)
+
+    def _finished(
+        self,
+        request: _Request,
+        sample: _Sample,
+        reason: FinishReason,
+        stop_reason: int | list[int] | None,
+        now: float,
+        kv_transfer_params: dict | None = None,
+    ) -> Finished:
+        def since(t: float | None) -> float | None:
+            return None if t is None else t - request.accepted_at
+
+        timings = RequestTimings(
+            since(sample.queued_at),
+            since(sample.scheduled_at),
+            since(sample.first_token_at),
+            now - request.accepted_at,
+        )
+        return Finished(
+            reason,
+            stop_reason,
+            request.prompt_tokens,
+            sample.output_tokens,
+            sample.cached_tokens,
+            kv_transfer_params,
+            sample.external_cached_tokens,
+            timings,
+        )
 
     @staticmethod
     def _final_output(request: _Request, sample: _Sample, finished: Finished) -> RequestOutput:
@@ -532,6 +666,8 @@ class SessionTable:
             if client is not None and client.requests.get(request.request_id) is request:
                 del client.requests[request.request_id]
             self._live_requests -= 1
+            if request.deadline_at is not None or request.stall_timeout_s is not None:
+                self._timed.pop(id(request), None)
 
     def _end_requests(
         self,
@@ -540,6 +676,7 @@ class SessionTable:
         effects: Effects,
         *,
         tell_engine: bool = True,
+        now: float | None = None,
     ) -> None:
         """End every live sample of ``requests`` now: the one way requests end early.
 
@@ -547,6 +684,7 @@ class SessionTable:
         RequestOutput with its tokens so far, one Outputs frame per client) or
         ``(code, message)`` (one terminal Error per request). The engine is told
         to stop every sample that was still live, unless ``tell_engine`` is off.
+        Streamed tokens held back for stop sequences go out with the terminal.
         """
         terminals: dict[bytes, list[RequestOutput]] = {}
         for request in requests:
@@ -565,13 +703,20 @@ class SessionTable:
                 continue
             self.stats.finished[ending.name] += len(live)
             bucket = terminals.setdefault(request.client_id, [])
+            end_time = request.last_output_at if now is None else now
             for sample in live:
-                finished = Finished(
-                    ending, None, request.prompt_tokens, sample.output_tokens, sample.cached_tokens
-                )
+                held, held_logprobs = sample.held_ids, sample.held_logprobs
+                if sample.matcher is not None:
+                    sample.matcher.flush()
+                    sample.output_tokens += len(held)
+                    self.stats.output_tokens += len(held)
+                    sample.held_ids, sample.held_logprobs = [], None
+                finished = self._finished(request, sample, ending, None, end_time)
                 if request.stream:
                     bucket.append(
-                        RequestOutput(request.request_id, [], finished, None, None, sample.index)
+                        RequestOutput(
+                            request.request_id, held, finished, held_logprobs, None, sample.index
+                        )
                     )
                 else:
                     bucket.append(self._final_output(request, sample, finished))
@@ -591,12 +736,26 @@ class SessionTable:
     # ------------------------------------------------------------ lifecycle
 
     def expire(self, now: float) -> Effects:
-        """Abort the requests of clients silent past their heartbeat timeout."""
+        """Abort the requests of clients silent past their heartbeat timeout; end requests
+        past their deadline_s or stall_timeout_s with TIMED_OUT."""
         effects = Effects()
         for client in list(self._clients.values()):
             if now - client.last_seen > client.heartbeat_timeout_s:
                 self.stats.clients_expired += 1
                 self._end_client(client.client_id, FinishReason.ABORT, effects)
+        if self._timed:
+            late = [
+                request
+                for request in self._timed.values()
+                if (request.deadline_at is not None and now >= request.deadline_at)
+                or (
+                    request.stall_timeout_s is not None
+                    and now - request.last_output_at >= request.stall_timeout_s
+                )
+            ]
+            if late:
+                self.stats.timed_out += len(late)
+                self._end_requests(late, FinishReason.TIMED_OUT, effects, now=now)
         return effects
 
     def on_client_gone(self, client_id: bytes) -> Effects:
@@ -667,3 +826,13 @@ class SessionTable:
         effects = Effects()
         self._end_requests(self._all_requests(), FinishReason.ABORT, effects)
         return effects
+
+
+def _note_events(sample: _Sample, events: Sequence) -> None:
+    """The engine's QUEUED (1) and first SCHEDULED (2) event times (vLLM EngineCoreEvent)."""
+    for event in events:
+        kind = int(event.type)
+        if kind == 1 and sample.queued_at is None:
+            sample.queued_at = event.timestamp
+        elif kind == 2 and sample.scheduled_at is None:
+            sample.scheduled_at = event.timestamp

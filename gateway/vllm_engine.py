@@ -40,9 +40,13 @@ logger = logging.getLogger(__name__)
 # for every sample's seed (with n > 1, sample i uses seed + i).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
-# Fields of the wire SamplingParams that map one-to-one onto vLLM's.
+# Fields of the wire SamplingParams that map one-to-one onto vLLM's; the gateway acts on
+# the stop-sequence fields itself (sessions.py), and vLLM never sees them.
+_GATEWAY_FIELDS = ("stop_token_sequences", "include_stop_sequence", "hold_back_stop_sequences")
 _DIRECT_FIELDS = tuple(
-    f for f in WireSamplingParams.__struct_fields__ if f not in ("bad_words_token_ids",)
+    f
+    for f in WireSamplingParams.__struct_fields__
+    if f not in ("bad_words_token_ids", *_GATEWAY_FIELDS)
 )
 
 
@@ -126,6 +130,8 @@ class _ConvertedOutput:
     new_logprobs: Logprobs | None
     new_prompt_logprobs_tensors: Logprobs | None
     prefill_stats: PrefillStatsLike | None
+    kv_transfer_params: dict[str, Any] | None
+    events: list[Any] | None
 
 
 def _to_wire_logprobs(token_ids: Any, logprobs: Any, ranks: Any) -> Logprobs:
@@ -412,4 +418,6 @@ class VllmEngine:
                 prompt.logprob_token_ids, prompt.logprobs, prompt.selected_token_ranks
             ),
             prefill_stats=out.prefill_stats,
+            kv_transfer_params=out.kv_transfer_params,
+            events=out.events,
         )

@@ -111,10 +111,11 @@ class TableHarness:
         return self.apply(self.table.on_message(client_id, msg, self.now))
 
     def step(self, *outputs: FakeOutput) -> list:
-        replies = self.table.on_step(list(outputs))
-        for client_id, msg in replies:
+        effects = self.table.on_step(list(outputs), self.now)
+        for client_id, msg in effects.replies:
             self.received[client_id].append(msg)
-        return replies
+        self.aborted.extend(effects.abort)
+        return effects.replies
 
     def take(self, client_id: bytes) -> list[ServerMessage]:
         msgs, self.received[client_id] = self.received[client_id], []

@@ -98,7 +98,15 @@ async def test_a_newer_gateways_codes_reasons_and_messages_reach_the_caller():
         send(msgspec.msgpack.encode([120, "a message from a newer gateway", {"x": 1}]))
         if msg.request_id == "reason":
             # A finish reason and an appended Finished field this client does not know.
-            out = ["reason", [7, 8], [9, None, 1, 2, 0, "future field"], None, None, 0, "extra"]
+            out = [
+                "reason",
+                [7, 8],
+                [9, None, 1, 2, 0, None, 0, None, "future"],
+                None,
+                None,
+                0,
+                "x",
+            ]
             send(msgspec.msgpack.encode([65, [out], "appended"]))
         else:
             send(msgspec.msgpack.encode([66, msg.request_id, 77, "a code from the future"]))

@@ -35,6 +35,7 @@ EXPECTED_CODEC = {
     "Limits",
     "Logprobs",
     "Finished",
+    "RequestTimings",
     "RequestOutput",
     "HelloAck",
     "Outputs",

@@ -11,6 +11,7 @@ from codec import (
     Generate,
     Outputs,
     RequestOutput,
+    RequestTimings,
     SamplingParams,
     decode_client,
     decode_server,
@@ -60,4 +61,6 @@ def test_one_token_output_is_compact():
     frame = encode(Outputs([RequestOutput("r1", [300])]))[1]
     assert len(frame) == 15  # 3 array headers, tag, "r1", token list, 3 nils, index
     final = encode(Outputs([RequestOutput("r1", [5], Finished(FinishReason.STOP, 2, 10, 5))]))[1]
-    assert len(final) <= 20
+    assert len(final) <= 23  # Finished: 8 fields, the last three nil / 0 / nil
+    timed = Finished(FinishReason.STOP, 2, 10, 5, timings=RequestTimings(0.001, 0.002, 0.01, 0.5))
+    assert len(encode(Outputs([RequestOutput("r1", [5], timed)]))[1]) <= 60

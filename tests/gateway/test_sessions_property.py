@@ -235,7 +235,9 @@ class Run:
             if finish:
                 sample.engine_live = False
                 ended.append(sample)
-        replies = self.table.on_step(outputs)
+        step_effects = self.table.on_step(outputs, self.now)
+        assert step_effects.abort == []  # no stop sequences in this model
+        replies = step_effects.replies
         per_client = [client for client, _ in replies]
         assert len(per_client) == len(set(per_client)), "two Outputs frames for one client"
         for client, msg in replies:
@@ -420,8 +422,8 @@ MUTANTS = {
         "        pass\n",
     ),
     "output_tokens=0": (
-        "                sample.output_tokens,\n                sample.cached_tokens,\n",
-        "                0,\n                sample.cached_tokens,\n",
+        "            sample.output_tokens,\n            sample.cached_tokens,\n",
+        "            0,\n            sample.cached_tokens,\n",
     ),
     "expiry off": (
         "            if now - client.last_seen > client.heartbeat_timeout_s:",
