@@ -190,6 +190,12 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     )
     g.add_argument("--metrics-host", default="127.0.0.1")
     g.add_argument(
+        "--request-stats",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engine request events for Finished.timings (queued, scheduled)",
+    )
+    g.add_argument(
         "--lora-module",
         action="append",
         type=_lora_module,
@@ -305,7 +311,10 @@ async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: obj
                 ) from None
         try:
             engine = await VllmEngine.start(
-                engine_args, dict(args.lora_module), vllm_config=vllm_config
+                engine_args,
+                dict(args.lora_module),
+                vllm_config=vllm_config,
+                request_stats=args.request_stats,
             )
         except Exception as exc:
             logger.exception("the engine failed to start")

@@ -175,10 +175,13 @@ class VllmEngine:
         lora_modules: dict[str, str] | None = None,
         *,
         vllm_config: Any = None,
+        request_stats: bool = True,
     ) -> VllmEngine:
         """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs).
 
         ``vllm_config``: from ``engine_config(engine_args)`` when already made.
+        ``request_stats``: the engine records per-request events (queued, scheduled)
+        for ``Finished.timings`` (vLLM's ``log_stats``; costs little, see README).
         """
         from vllm.v1.engine.core_client import EngineCoreClient
         from vllm.v1.executor import Executor
@@ -188,7 +191,7 @@ class VllmEngine:
         client = EngineCoreClient.make_async_mp_client(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),
-            log_stats=False,
+            log_stats=request_stats,
         )
         try:
             tasks = tuple(await client.get_supported_tasks_async())

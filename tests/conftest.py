@@ -81,3 +81,64 @@ async def real_gateway(vllm_engine):
     """A gateway on the shared real engine, for tests that only need a client."""
     async with running_gateway(vllm_engine) as gateway:
         yield gateway
+
+
+@pytest.fixture(scope="session")
+async def small_gateway():
+    """A gateway on its own real engine with max_num_seqs=2: a third request waits in the
+    engine's queue (deadline and stall tests)."""
+    from gateway.tiny_model import ensure_tiny_model
+    from gateway.vllm_engine import VllmEngine, default_engine_args
+
+    args = default_engine_args(
+        str(ensure_tiny_model()),
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        max_model_len=TEST_MAX_MODEL_LEN,
+        max_num_seqs=2,
+        seed=0,
+    )
+    engine = await VllmEngine.start(args)
+    try:
+        async with running_gateway(engine) as gateway:
+            yield gateway
+    finally:
+        await engine.aclose()
+
+
+@pytest.fixture(scope="session")
+async def pd_gateways(tmp_path_factory):
+    """Prefill and decode: two real engines sharing a KV store on disk (vLLM's
+    ExampleConnector, as tests/pd_connector.py), a gateway on each. Yields (prefill, decode)."""
+    from gateway.tiny_model import ensure_tiny_model
+    from gateway.vllm_engine import VllmEngine, default_engine_args
+
+    store = tmp_path_factory.mktemp("kv-store")
+
+    def engine_args(role: str):
+        return default_engine_args(
+            str(ensure_tiny_model()),
+            enforce_eager=True,
+            gpu_memory_utilization=0.2,
+            max_model_len=TEST_MAX_MODEL_LEN,
+            max_num_seqs=2,
+            seed=0,
+            kv_transfer_config={
+                "kv_connector": "RecordingExampleConnector",
+                "kv_connector_module_path": "tests.pd_connector",
+                "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(store)},
+            },
+        )
+
+    prefill = await VllmEngine.start(engine_args("kv_producer"))
+    try:
+        decode = await VllmEngine.start(engine_args("kv_consumer"))
+        try:
+            async with running_gateway(prefill) as p_gw, running_gateway(decode) as d_gw:
+                p_gw.kv_store = d_gw.kv_store = store
+                yield p_gw, d_gw
+        finally:
+            await decode.aclose()
+    finally:
+        await prefill.aclose()
