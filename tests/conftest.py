@@ -58,20 +58,37 @@ async def running_gateway(engine, limits=None, **kwargs) -> AsyncIterator:
             await asyncio.gather(task, return_exceptions=True)
 
 
+def cpu_engine_args(model: str | None = None, **overrides):
+    """vLLM engine arguments for tests: the tiny model (or ``model``) on the CPU engine."""
+    from gateway.tiny_model import ensure_tiny_model
+    from gateway.vllm_engine import default_engine_args
+
+    settings = dict(
+        enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=TEST_MAX_MODEL_LEN, seed=0
+    )
+    settings.update(overrides)
+    return default_engine_args(model or str(ensure_tiny_model()), **settings)
+
+
+@contextlib.asynccontextmanager
+async def engine_gateway(engine_args) -> AsyncIterator:
+    """A real engine started from ``engine_args`` and a gateway on it; both always stopped."""
+    from gateway.vllm_engine import VllmEngine
+
+    engine = await VllmEngine.start(engine_args)
+    try:
+        async with running_gateway(engine) as gateway:
+            yield gateway
+    finally:
+        await engine.aclose()
+
+
 @pytest.fixture(scope="session")
 async def vllm_engine():
     """One real vLLM EngineCore on the tiny model, shared by the whole session."""
-    from gateway.tiny_model import ensure_tiny_model
-    from gateway.vllm_engine import VllmEngine, default_engine_args
+    from gateway.vllm_engine import VllmEngine
 
-    args = default_engine_args(
-        str(ensure_tiny_model()),
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
-        max_model_len=TEST_MAX_MODEL_LEN,
-        seed=0,
-    )
-    engine = await VllmEngine.start(args)
+    engine = await VllmEngine.start(cpu_engine_args(), request_stats=True)
     yield engine
     await engine.aclose()
 
@@ -87,42 +104,18 @@ async def real_gateway(vllm_engine):
 async def small_gateway():
     """A gateway on its own real engine with max_num_seqs=2: a third request waits in the
     engine's queue (deadline and stall tests)."""
-    from gateway.tiny_model import ensure_tiny_model
-    from gateway.vllm_engine import VllmEngine, default_engine_args
-
-    args = default_engine_args(
-        str(ensure_tiny_model()),
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
-        max_model_len=TEST_MAX_MODEL_LEN,
-        max_num_seqs=2,
-        seed=0,
-    )
-    engine = await VllmEngine.start(args)
-    try:
-        async with running_gateway(engine) as gateway:
-            yield gateway
-    finally:
-        await engine.aclose()
+    async with engine_gateway(cpu_engine_args(max_num_seqs=2)) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="session")
 async def pd_gateways(tmp_path_factory):
     """Prefill and decode: two real engines sharing a KV store on disk (vLLM's
     ExampleConnector, as tests/pd_connector.py), a gateway on each. Yields (prefill, decode)."""
-    from gateway.tiny_model import ensure_tiny_model
-    from gateway.vllm_engine import VllmEngine, default_engine_args
-
     store = tmp_path_factory.mktemp("kv-store")
 
     def engine_args(role: str):
-        return default_engine_args(
-            str(ensure_tiny_model()),
-            enforce_eager=True,
-            gpu_memory_utilization=0.2,
-            max_model_len=TEST_MAX_MODEL_LEN,
-            max_num_seqs=2,
-            seed=0,
+        return cpu_engine_args(
             kv_transfer_config={
                 "kv_connector": "RecordingExampleConnector",
                 "kv_connector_module_path": "tests.pd_connector",
@@ -131,14 +124,9 @@ async def pd_gateways(tmp_path_factory):
             },
         )
 
-    prefill = await VllmEngine.start(engine_args("kv_producer"))
-    try:
-        decode = await VllmEngine.start(engine_args("kv_consumer"))
-        try:
-            async with running_gateway(prefill) as p_gw, running_gateway(decode) as d_gw:
-                p_gw.kv_store = d_gw.kv_store = store
-                yield p_gw, d_gw
-        finally:
-            await decode.aclose()
-    finally:
-        await prefill.aclose()
+    async with (
+        engine_gateway(engine_args("kv_producer")) as prefill,
+        engine_gateway(engine_args("kv_consumer")) as decode,
+    ):
+        prefill.kv_store = decode.kv_store = store
+        yield prefill, decode

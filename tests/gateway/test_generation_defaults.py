@@ -17,7 +17,7 @@ import pytest
 
 from client import AsyncClient, FinishReason, SamplingParams
 from gateway.tiny_model import ensure_tiny_model
-from tests.conftest import TEST_MAX_MODEL_LEN, running_gateway
+from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
 from tests.offline_reference import run_offline_reference
 
 pytestmark = pytest.mark.engine
@@ -48,21 +48,8 @@ def defaults_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 async def defaults_gateway(defaults_model):
-    from gateway.vllm_engine import VllmEngine, default_engine_args
-
-    args = default_engine_args(
-        str(defaults_model),
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
-        max_model_len=TEST_MAX_MODEL_LEN,
-        seed=0,
-    )
-    engine = await VllmEngine.start(args)
-    try:
-        async with running_gateway(engine) as gateway:
-            yield gateway
-    finally:
-        await engine.aclose()
+    async with engine_gateway(cpu_engine_args(str(defaults_model))) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="module")
