@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from codec import Generate
+from codec import Generate, Logprobs
 
 from .engine import EngineInfo, sample_engine_request_id
 from .errors import EngineDead, RequestRejected, SubmitFailed
@@ -27,7 +27,7 @@ class FakeOutput:
     new_token_ids: list[int]
     finish_reason: int | None = None
     stop_reason: int | str | None = None
-    new_logprobs: None = None
+    new_logprobs: Logprobs | None = None
     new_prompt_logprobs_tensors: None = None
     prefill_stats: None = None
     kv_transfer_params: dict | None = None

@@ -293,3 +293,106 @@ def test_drain_refuses_new_requests_and_abort_all_ends_the_rest():
     (terminal,) = h.take(A)
     assert terminal.outputs[0].finished.finish_reason is FinishReason.ABORT
     assert h.table.live_requests == 0
+
+
+# ---------------------------------------------------------------- stop sequences, timeouts
+
+
+def lp(tokens: list[int]):
+    """Fake logprobs whose rows name their tokens (to check the cut)."""
+    from codec import Logprobs
+
+    return Logprobs([[t] for t in tokens], [[-1.0] for _ in tokens], [1 for _ in tokens])
+
+
+def outputs_of(h: TableHarness, client_id: bytes) -> list:
+    return [o for msg in h.take(client_id) for o in msg.outputs]
+
+
+def test_stop_sequence_in_multi_token_steps_is_cut_exactly_and_aborted():
+    """Several tokens per engine step (as speculative decoding produces): held-back tokens,
+    a match straddling steps, tokens after it dropped, logprobs cut alike, engine aborted."""
+    h = TableHarness()
+    hello(h, A)
+    sampling = SamplingParams(max_tokens=50, logprobs=1, stop_token_sequences=[[7, 8, 9]])
+    h.send(A, Generate("r", [5], True, sampling))
+    (eid,) = engine_ids(h)
+    h.step(FakeOutput(eid, [1, 2, 7], new_logprobs=lp([1, 2, 7])))
+    (first,) = outputs_of(h, A)
+    assert first.new_token_ids == [1, 2] and first.logprobs.ranks == [1, 1]  # 7 held back
+    h.step(FakeOutput(eid, [8], new_logprobs=lp([8])))
+    assert outputs_of(h, A) == []  # [7, 8] may still be the start: nothing sent
+    h.step(FakeOutput(eid, [9, 4, 4], new_logprobs=lp([9, 4, 4])))
+    (last,) = outputs_of(h, A)
+    assert last.new_token_ids == [] and last.logprobs is None
+    assert last.finished.finish_reason is FinishReason.STOP
+    assert last.finished.stop_reason == [7, 8, 9] and last.finished.output_tokens == 2
+    assert h.aborted == [eid] and h.table.live_requests == 0
+    h.step(FakeOutput(eid, [5]))  # the engine's late output is dropped
+    assert outputs_of(h, A) == [] and h.table.stats.late_outputs == 1
+
+
+def test_false_start_is_released_and_held_tokens_come_with_an_abort():
+    h = TableHarness()
+    hello(h, A)
+    sampling = SamplingParams(max_tokens=50, stop_token_sequences=[[7, 8, 9]])
+    h.send(A, Generate("r", [5], True, sampling))
+    (eid,) = engine_ids(h)
+    h.step(FakeOutput(eid, [7, 8]))
+    assert outputs_of(h, A) == []
+    h.step(FakeOutput(eid, [3]))  # not a match after all: everything goes out
+    (out,) = outputs_of(h, A)
+    assert out.new_token_ids == [7, 8, 3]
+    h.step(FakeOutput(eid, [7]))
+    assert outputs_of(h, A) == []
+    h.send(A, Abort(["r"]))
+    terminal, ack = h.take(A)
+    (out,) = terminal.outputs
+    assert out.new_token_ids == [7] and out.finished.finish_reason is FinishReason.ABORT
+    assert out.finished.output_tokens == 4 and isinstance(ack, AbortAck)
+
+
+def test_non_streaming_stop_sequence_with_n_samples_cuts_each_sample():
+    h = TableHarness()
+    hello(h, A)
+    sampling = SamplingParams(n=2, max_tokens=9, stop_token_sequences=[[4, 4]])
+    h.send(A, Generate("r", [5], False, sampling))
+    e0, e1 = engine_ids(h)
+    h.step(FakeOutput(e0, [1, 4]), FakeOutput(e1, [4, 4, 2]))
+    (done1,) = outputs_of(h, A)
+    assert done1.index == 1 and done1.new_token_ids == [] and done1.finished.output_tokens == 0
+    h.step(FakeOutput(e0, [4, 6]))
+    (done0,) = outputs_of(h, A)
+    assert done0.index == 0 and done0.new_token_ids == [1]
+    assert sorted(h.aborted) == sorted([e0, e1])
+
+
+def test_deadline_and_stall_end_requests_with_timed_out_once():
+    from codec import RequestOptions
+
+    h = TableHarness()
+    hello(h, A, interval=100.0)
+    h.send(A, Generate("d", [5], True, options=RequestOptions(deadline_s=1.0)))
+    h.send(A, Generate("s", [6], False, options=RequestOptions(stall_timeout_s=0.5)))
+    ed, es = engine_ids(h)
+    h.now = 0.4
+    h.step(FakeOutput(ed, [1]), FakeOutput(es, [2]))
+    h.take(A)
+    h.now = 0.8  # the stall clock restarted at 0.4
+    h.apply(h.table.expire(h.now))
+    assert h.take(A) == []
+    h.now = 0.95
+    h.apply(h.table.expire(h.now))
+    (msg,) = h.take(A)
+    (stalled,) = msg.outputs
+    assert stalled.request_id == "s" and stalled.new_token_ids == [2]
+    assert stalled.finished.finish_reason is FinishReason.TIMED_OUT
+    h.now = 1.0
+    h.apply(h.table.expire(h.now))
+    (msg,) = h.take(A)
+    (late,) = msg.outputs
+    assert late.request_id == "d" and late.finished.finish_reason is FinishReason.TIMED_OUT
+    assert late.finished.timings.finished_s == 1.0 and late.finished.timings.first_token_s == 0.4
+    assert sorted(h.aborted) == sorted([ed, es]) and h.table.stats.timed_out == 2
+    h.apply(h.table.expire(5.0))
+    assert h.take(A) == []
