@@ -31,11 +31,13 @@ from codec import (
     VERSION_FRAME,
     Abort,
     AbortAck,
+    ControlDone,
     Error,
     ErrorCode,
     Generate,
     GetHealth,
     GetModelInfo,
+    GetStats,
     HealthReply,
     Hello,
     HelloAck,
@@ -43,12 +45,16 @@ from codec import (
     ModelInfoReply,
     Outputs,
     Overloaded,
+    Pause,
     Ping,
     Pong,
     ProtocolError,
     RequestOptions,
     RequestOutput,
+    ResetPrefixCache,
+    Resume,
     SamplingParams,
+    StatsReply,
     decode_server,
     encode_payload,
 )
@@ -425,12 +431,32 @@ class AsyncClient:
     async def health(self) -> HealthReply:
         return await self._call(GetHealth)
 
-    async def _call(self, message_type: type) -> Any:
+    # ------------------------------------------------------------ control plane
+    # Allowed only to clients the operator named (--control-key / --control-open);
+    # others get RequestFailed with ErrorCode.UNAUTHORIZED.
+
+    async def pause(self, mode: str = "keep", *, clear_cache: bool = False) -> ControlDone:
+        """Pause the engine: "keep" (freeze), "wait" (returns once drained) or "abort"."""
+        return await self._call(Pause, mode, clear_cache)
+
+    async def resume(self) -> ControlDone:
+        return await self._call(Resume)
+
+    async def reset_prefix_cache(self, *, reset_running: bool = False) -> bool:
+        """Reset the engine's prefix cache; vLLM's result (False: it could not)."""
+        return (await self._call(ResetPrefixCache, reset_running)).result
+
+    async def stats(self) -> StatsReply:
+        """Per-engine load (with --engine-stats) and the gateway's counts."""
+        return await self._call(GetStats)
+
+    async def _call(self, message_type: type, *args: Any) -> Any:
         self._check_open()
+        await self._wait_session()
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(message_type(call_id))
+        self._send(message_type(call_id, *args))
         return await future
 
     # ------------------------------------------------------------ session
@@ -558,7 +584,7 @@ class AsyncClient:
                 future.set_result(msg)
         elif kind is HelloAck:
             self._on_hello_ack(msg)
-        elif kind in (ModelInfoReply, HealthReply):
+        elif kind in (ModelInfoReply, HealthReply, ControlDone, StatsReply):
             future = self._calls.pop(msg.call_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -587,9 +613,13 @@ class AsyncClient:
         session_gone = msg.code in _SESSION_GONE
         why = f"[{msg.code.name}] {msg.message}"
         waiter = self._abort_waiters.pop(msg.call_id, None) if msg.call_id else None
+        call = self._calls.pop(msg.call_id, None) if msg.call_id else None
         if waiter is not None:
             if not waiter.done():
                 waiter.set_exception(exc)
+        elif call is not None:  # a refused or failed call (e.g. UNAUTHORIZED control)
+            if not call.done():
+                call.set_exception(exc)
         elif (
             msg.request_id is not None
             and msg.request_id in self._streams

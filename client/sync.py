@@ -112,6 +112,19 @@ class Client:
     def model_info(self) -> ModelInfoReply:
         return self._run(self._async.model_info())
 
+    def pause(self, mode: str = "keep", *, clear_cache: bool = False):  # noqa: ANN201
+        """Pause the engine (control operation; see AsyncClient.pause)."""
+        return self._run(self._async.pause(mode, clear_cache=clear_cache))
+
+    def resume(self):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.resume())
+
+    def reset_prefix_cache(self, *, reset_running: bool = False) -> bool:
+        return self._run(self._async.reset_prefix_cache(reset_running=reset_running))
+
+    def stats(self):  # noqa: ANN201 - StatsReply
+        return self._run(self._async.stats())
+
     def health(self) -> HealthReply:
         return self._run(self._async.health())
 

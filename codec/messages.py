@@ -102,13 +102,14 @@ class ErrorCode(_OpenIntEnum):
     # Session-level.
     HANDSHAKE_REQUIRED = 10
     DUPLICATE_REQUEST_ID = 11
+    UNAUTHORIZED = 12  # a control call from a client the operator did not allow
     # Request-level.
     INVALID_REQUEST = 20  # rejected by vLLM's input processing / sampling validation
     UNSUPPORTED = 21  # a feature this deployment does not offer (e.g. LoRA off)
     # Gateway / engine state.
     DRAINING = 30  # the gateway is shutting down and takes no new requests
     ENGINE_DEAD = 31  # the engine process failed; the gateway will exit
-    TIMED_OUT = 32  # the request outlived the drain deadline or a client timeout
+    TIMED_OUT = 32  # reserved: timeouts end requests with FinishReason.TIMED_OUT
     SLOW_CONSUMER = 33  # the client did not read its outputs; its requests were ended
     INTERNAL = 40  # a bug in the gateway: please report it
 
@@ -223,7 +224,55 @@ class GetHealth(_ClientBase, tag=6):
     call_id: int = 0
 
 
-ClientMessage = Hello | Generate | Abort | Ping | GetModelInfo | GetHealth
+# ---- control plane (PROTOCOL.md §7.12): only clients the operator named may call these;
+# anyone else gets Error(UNAUTHORIZED) with the call_id, and the engine is untouched.
+
+
+class Pause(_ClientBase, tag=7):
+    """Pause the engine's scheduler (vLLM's pause_scheduler). Answered by ControlDone.
+
+    ``mode``: "abort" (every live request ends with ABORT and its partial tokens), "wait"
+    (the reply comes once in-flight requests finished) or "keep" (requests freeze and go on
+    after Resume). New Generates during a pause are accepted and wait.
+    """
+
+    call_id: int = 0
+    mode: str = "keep"
+    clear_cache: bool = False
+
+
+class Resume(_ClientBase, tag=8):
+    """Resume a paused scheduler. Answered by ControlDone."""
+
+    call_id: int = 0
+
+
+class ResetPrefixCache(_ClientBase, tag=9):
+    """Reset the engine's prefix cache. Answered by ControlDone (result: vLLM's bool)."""
+
+    call_id: int = 0
+    reset_running: bool = False
+
+
+class GetStats(_ClientBase, tag=10):
+    """Engine and gateway load. Answered by StatsReply."""
+
+    call_id: int = 0
+
+
+ClientMessage = (
+    Hello
+    | Generate
+    | Abort
+    | Ping
+    | GetModelInfo
+    | GetHealth
+    | Pause
+    | Resume
+    | ResetPrefixCache
+    | GetStats
+)
+CONTROL_MESSAGES = (Pause, Resume, ResetPrefixCache, GetStats)
 
 # ---------------------------------------------------------------- gateway -> client
 
@@ -389,10 +438,48 @@ class HealthReply(_ServerBase, tag=71):
     state: str  # "serving", "draining" or "engine_dead"
     live_requests: int
     connected_clients: int
+    paused: bool = False  # the engine's scheduler is paused (Pause, until Resume)
+
+
+class ControlDone(_ServerBase, tag=72):
+    """A control call finished: which one, and vLLM's result when it has one."""
+
+    call_id: int
+    operation: str  # "pause", "resume", "reset_prefix_cache"
+    result: Any = None
+
+
+class EngineStats(msgspec.Struct, frozen=True, gc=False):
+    """One engine's (DP rank's) load, from vLLM's scheduler stats (a map on the wire)."""
+
+    engine_index: int
+    running: int
+    waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens looked up since start
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float  # hits / queries, 0 when none
+
+
+class StatsReply(_ServerBase, tag=73):
+    """Answers GetStats: per-engine load (empty without --engine-stats) and the gateway's."""
+
+    call_id: int
+    engines: list[EngineStats]
+    gateway: dict[str, int]
 
 
 ServerMessage = (
-    HelloAck | Outputs | Error | AbortAck | Pong | Overloaded | ModelInfoReply | HealthReply
+    HelloAck
+    | Outputs
+    | Error
+    | AbortAck
+    | Pong
+    | Overloaded
+    | ModelInfoReply
+    | HealthReply
+    | ControlDone
+    | StatsReply
 )
 
 CLIENT_TAGS = {cls.__struct_config__.tag: cls for cls in ClientMessage.__args__}

@@ -16,7 +16,7 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-__all__ = ["CurveConfig"]
+__all__ = ["CurveConfig", "ControlPolicy"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,33 @@ class CurveConfig:
         sock.curve_publickey = public
         sock.curve_server = True
         return authenticator
+
+
+@dataclass(frozen=True)
+class ControlPolicy:
+    """Who may call control operations (Pause, Resume, ResetPrefixCache, GetStats).
+
+    Default: nobody. ``open``: every client (a trusted loopback or an ipc:// path guarded
+    by file permissions). ``allowed_keys``: CURVE clients whose public key (Z85, the
+    ZAP User-Id of their messages) is listed; needs CURVE on the socket.
+    """
+
+    open: bool = False
+    allowed_keys: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_key_files(cls, files: list[Path]) -> ControlPolicy:
+        """The public keys of these certificate files (``NAME.key``)."""
+        keys = set()
+        for file in files:
+            public, _ = zmq.auth.load_certificate(file)
+            keys.add(public.decode("ascii"))
+        return cls(allowed_keys=frozenset(keys))
+
+    @property
+    def needs_user_id(self) -> bool:
+        """Whether the server must read each message's CURVE User-Id."""
+        return bool(self.allowed_keys) and not self.open
+
+    def allows(self, user_id: str | None) -> bool:
+        return self.open or (user_id is not None and user_id in self.allowed_keys)

@@ -29,6 +29,7 @@ from .preflight import (
     bounded,
     check_address_free,
     check_bind_address,
+    check_control_keys,
     check_curve_files,
     check_model,
 )
@@ -182,6 +183,22 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         metavar="DIR",
         help="with --curve-secret-key: directory of allowed client public keys",
     )
+    control = g.add_mutually_exclusive_group()
+    control.add_argument(
+        "--control-key",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="with CURVE: a client public key (NAME.key) allowed to call control operations"
+        " (pause, resume, reset the prefix cache, stats); repeatable",
+    )
+    control.add_argument(
+        "--control-open",
+        action="store_true",
+        help="let every client call control operations (trusted loopback or an ipc:// path"
+        " guarded by file permissions only)",
+    )
     g.add_argument(
         "--metrics-port",
         type=bounded(int, 0, 65535),
@@ -190,7 +207,7 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     )
     g.add_argument("--metrics-host", default="127.0.0.1")
     g.add_argument(
-        "--request-stats",
+        "--engine-stats",
         action=argparse.BooleanOptionalAction,
         default=False,
         help="engine request events for Finished.timings (queued, scheduled);"
@@ -230,6 +247,14 @@ def _curve_config(args: argparse.Namespace):  # noqa: ANN202 - CurveConfig | Non
     return CurveConfig(args.curve_secret_key, args.curve_allow_dir)
 
 
+def _control_policy(args: argparse.Namespace):  # noqa: ANN202 - ControlPolicy
+    from .auth import ControlPolicy
+
+    if args.control_open:
+        return ControlPolicy(open=True)
+    return ControlPolicy.from_key_files(args.control_key)
+
+
 def _limits(args: argparse.Namespace) -> GatewayLimits:
     return GatewayLimits(
         max_frame_bytes=args.max_frame_bytes,
@@ -256,6 +281,7 @@ def _check_gateway_flags(argv: list[str]) -> None:
         check_bind_address(address)
         check_address_free(address)
     check_curve_files(args.curve_secret_key, args.curve_allow_dir)
+    check_control_keys(args.control_key, args.curve_secret_key is not None)
     for name, path in args.lora_module:
         if not Path(path).exists():
             raise UsageError("--lora-module", f"{name}={path}: no such folder")
@@ -315,7 +341,7 @@ async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: obj
                 engine_args,
                 dict(args.lora_module),
                 vllm_config=vllm_config,
-                request_stats=args.request_stats,
+                engine_stats=args.engine_stats,
             )
         except Exception as exc:
             logger.exception("the engine failed to start")
@@ -333,6 +359,7 @@ async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: obj
             engine_dead_grace_s=args.engine_dead_grace,
             gateway_version=gateway_version(),
             listener=listener,
+            control=_control_policy(args),
         )
         if registry is not None:
             from .metrics import GatewayCollector

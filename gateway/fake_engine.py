@@ -58,6 +58,8 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     step_times: list[float] | None = None  # when a list: monotonic time of each step
     fail_submits: int = 0  # the next this many add_requests calls fail their first request
+    paused: bool = False  # Pause(keep/abort): no steps until resume()
+    calls: list[str] = field(default_factory=list)  # control calls made, in order
 
     def prepare(self, engine_request_id: str, request: Generate) -> list[FakePrepared]:
         prompt = request.prompt_token_ids
@@ -109,7 +111,7 @@ class FakeEngine:
         while True:
             if self._dead:
                 raise EngineDead("the fake engine was killed")
-            if self._live:
+            if self._live and not self.paused:
                 break
             self._wakeup.clear()
             await self._wakeup.wait()
@@ -141,6 +143,28 @@ class FakeEngine:
 
     async def aclose(self) -> None:
         self._live.clear()
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append(f"pause:{mode}")
+        if mode == "abort":
+            self.aborted.extend(self._live)
+            self._live.clear()
+        elif mode == "wait":
+            while self._live:
+                await asyncio.sleep(0.001)
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.calls.append("resume")
+        self.paused = False
+        self._wakeup.set()
+
+    async def reset_prefix_cache(self, reset_running: bool) -> bool:
+        self.calls.append("reset_prefix_cache")
+        return True
+
+    def engine_stats(self) -> list:
+        return []
 
     def kill(self) -> None:
         """Simulate the engine process dying."""

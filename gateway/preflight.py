@@ -21,6 +21,7 @@ __all__ = [
     "check_address_free",
     "ipc_path_in_use",
     "check_curve_files",
+    "check_control_keys",
     "check_model",
     "bounded",
 ]
@@ -186,3 +187,24 @@ def check_curve_files(secret_file: Path | None, allow_dir: Path | None) -> None:
             zmq.auth.load_certificate(key)
         except (OSError, ValueError) as exc:
             raise UsageError(flag, f"{str(key)!r}: not a readable certificate ({exc})") from None
+
+
+def check_control_keys(files: list[Path], curve_on: bool) -> None:
+    """``--control-key`` files: readable public keys, and CURVE on (it names the clients)."""
+    if not files:
+        return
+    if not curve_on:
+        raise UsageError(
+            "--control-key",
+            "needs --curve-secret-key and --curve-allow-dir (CURVE identifies the clients);"
+            " without CURVE use --control-open on a trusted address",
+        )
+    import zmq.auth
+
+    for file in files:
+        try:
+            zmq.auth.load_certificate(file)
+        except (OSError, ValueError) as exc:
+            raise UsageError(
+                "--control-key", f"{str(file)!r}: not a readable key ({exc})"
+            ) from None

@@ -20,10 +20,24 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from codec import VERSION_FRAME, Error, ErrorCode, ProtocolError, ServerMessage, decode_client
+from codec import (
+    CONTROL_MESSAGES,
+    VERSION_FRAME,
+    ControlDone,
+    Error,
+    ErrorCode,
+    GetStats,
+    Pause,
+    ProtocolError,
+    ResetPrefixCache,
+    Resume,
+    ServerMessage,
+    StatsReply,
+    decode_client,
+)
 from codec.framing import encode_payload
 
-from .auth import CurveConfig
+from .auth import ControlPolicy, CurveConfig
 from .engine import Engine
 from .errors import EngineDead, SubmitFailed
 from .metrics import StepHistogram
@@ -125,8 +139,11 @@ class Gateway:
         context: zmq.asyncio.Context | None = None,
         curve: CurveConfig | None = None,
         listener: Listener | None = None,
+        control: ControlPolicy = ControlPolicy(),
     ):
         self.engine = engine
+        self.control = control
+        self._control_tasks: set[asyncio.Task] = set()
         self.limits = limits
         self.binds = [bind] if isinstance(bind, str) else list(bind)
         self.drain_timeout_s = drain_timeout_s
@@ -204,8 +221,15 @@ class Gateway:
         clock = time.perf_counter
         received = 0
         held_since = clock()
+        policy = self.control
+        # With a control key allow-list, read frames with their CURVE User-Id.
+        copy = not policy.needs_user_id
+        user_id = None
         while True:
-            frames = await sock.recv_multipart()
+            frames = await sock.recv_multipart(copy=copy)
+            if not copy:
+                user_id = frames[-1].get("User-Id")
+                frames = [frame.bytes for frame in frames]
             received += 1
             if received % _YIELD_EVERY == 0 or clock() - held_since > _YIELD_AFTER_S:
                 # A queued frame is returned without yielding: a flood, or a few
@@ -220,7 +244,11 @@ class Gateway:
                 except ProtocolError as exc:
                     effects = table.on_protocol_error(client_id, exc, now)
                 else:
-                    effects = table.on_message(client_id, msg, now)
+                    if type(msg) in CONTROL_MESSAGES:
+                        authorized = policy.allows(user_id)
+                        effects = table.on_control(client_id, msg, now, authorized)
+                    else:
+                        effects = table.on_message(client_id, msg, now)
                 await self._apply(effects)
             except Exception as exc:  # a bug: answer this frame, keep serving everyone
                 logger.exception("handling a frame from %r failed", client_id)
@@ -284,6 +312,45 @@ class Gateway:
             await self._submit(effects.submit)
         if effects.abort:
             await self._abort_in_engine(effects.abort)
+        for client_id, call in effects.control:
+            # Run beside the loops: Pause(wait) returns only once requests drained.
+            task = asyncio.ensure_future(self._run_control(client_id, call))
+            self._control_tasks.add(task)
+            task.add_done_callback(self._control_tasks.discard)
+
+    async def _run_control(self, client_id: bytes, call) -> None:  # noqa: ANN001
+        """Make one allowed control call on the engine; answer with its result or an Error."""
+        engine = self.engine
+        try:
+            if isinstance(call, Pause):
+                await engine.pause(call.mode, call.clear_cache)
+                reply = ControlDone(call.call_id, "pause", call.mode)
+            elif isinstance(call, Resume):
+                await engine.resume()
+                reply = ControlDone(call.call_id, "resume")
+            elif isinstance(call, ResetPrefixCache):
+                done = await engine.reset_prefix_cache(call.reset_running)
+                reply = ControlDone(call.call_id, "reset_prefix_cache", done)
+            elif isinstance(call, GetStats):
+                reply = StatsReply(call.call_id, engine.engine_stats(), self.table.gateway_stats())
+            else:  # pragma: no cover - the table passes only the calls above
+                raise TypeError(f"not a control call: {call!r}")
+        except EngineDead as exc:
+            self._on_engine_dead(exc.message)
+            reply = Error(None, ErrorCode.ENGINE_DEAD, exc.message, call.call_id)
+        except (AttributeError, NotImplementedError) as exc:
+            reply = Error(
+                None,
+                ErrorCode.UNSUPPORTED,
+                f"{type(call).__name__} is not supported by this engine: {exc}",
+                call.call_id,
+            )
+        except Exception as exc:  # vLLM refused or failed: its words, the gateway goes on
+            logger.exception("control call %r failed", call)
+            reply = Error(
+                None, ErrorCode.INTERNAL, f"{type(call).__name__} failed: {exc!r}", call.call_id
+            )
+        self._send(client_id, reply)
 
     async def _submit(self, prepared: Sequence) -> None:
         """Submit to the engine; a request that fails to submit fails alone."""

@@ -42,6 +42,7 @@ from codec import (
     Generate,
     GetHealth,
     GetModelInfo,
+    GetStats,
     HealthReply,
     Hello,
     HelloAck,
@@ -51,11 +52,14 @@ from codec import (
     ModelInfoReply,
     Outputs,
     Overloaded,
+    Pause,
     Ping,
     Pong,
     ProtocolError,
     RequestOutput,
     RequestTimings,
+    ResetPrefixCache,
+    Resume,
     ServerMessage,
     prompt_too_long,
 )
@@ -121,6 +125,7 @@ class Effects:
     replies: list[Reply] = field(default_factory=list)
     submit: list[PreparedRequest] = field(default_factory=list)
     abort: list[str] = field(default_factory=list)
+    control: list[tuple[bytes, ClientMessage]] = field(default_factory=list)  # engine calls
 
 
 @dataclass(slots=True)
@@ -184,6 +189,7 @@ class SessionTable:
         self.info = info
         self.limits = limits
         self.state = GatewayState.SERVING
+        self.paused = False  # the engine's scheduler, by Pause until Resume
         self._prepare = prepare
         self._gateway_version = gateway_version
         self._clients: dict[bytes, _Client] = {}
@@ -223,6 +229,10 @@ class SessionTable:
             Ping: self._on_ping,
             GetModelInfo: self._on_get_model_info,
             GetHealth: self._on_get_health,
+            Pause: self._on_unauthorized_control,
+            Resume: self._on_unauthorized_control,
+            ResetPrefixCache: self._on_unauthorized_control,
+            GetStats: self._on_unauthorized_control,
         }
 
     # ------------------------------------------------------------ queries
@@ -254,6 +264,73 @@ class SessionTable:
         if client is not None:
             client.last_seen = now
         return self._handlers[type(msg)](client_id, msg, now)
+
+    def on_control(
+        self, client_id: bytes, msg: ClientMessage, now: float, authorized: bool
+    ) -> Effects:
+        """A control call (Pause, Resume, ResetPrefixCache, GetStats).
+
+        Refused with UNAUTHORIZED unless ``authorized`` (the server's policy), and without
+        a session. Otherwise the server makes the engine call in ``Effects.control`` and
+        answers when it is done; Pause(abort) first ends every live request with ABORT.
+        """
+        client = self._clients.get(client_id)
+        if client is not None:
+            client.last_seen = now
+        call_id = msg.call_id
+        if not authorized:
+            return self._on_unauthorized_control(client_id, msg, now)
+        if client is None:
+            error = Error(
+                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before control calls", call_id
+            )
+            return Effects(replies=[(client_id, error)])
+        effects = Effects()
+        if isinstance(msg, Pause):
+            if msg.mode not in ("abort", "wait", "keep"):
+                error = Error(
+                    None,
+                    ErrorCode.INVALID_MESSAGE,
+                    f"Pause.mode must be 'abort', 'wait' or 'keep', got {msg.mode!r}",
+                    call_id,
+                )
+                return Effects(replies=[(client_id, error)])
+            self.paused = True
+            if msg.mode == "abort":
+                self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
+        elif isinstance(msg, Resume):
+            self.paused = False
+        effects.control.append((client_id, msg))
+        return effects
+
+    def _on_unauthorized_control(self, client_id: bytes, msg: ClientMessage, now: float) -> Effects:
+        name = type(msg).__name__
+        error = Error(
+            None,
+            ErrorCode.UNAUTHORIZED,
+            f"{name} changes or inspects the engine for every client; this client is not"
+            " allowed to call it (the operator allows clients with --control-key or"
+            " --control-open)",
+            msg.call_id,
+        )
+        return Effects(replies=[(client_id, error)])
+
+    def gateway_stats(self) -> dict[str, int]:
+        """The gateway's own counts, for StatsReply."""
+        stats = self.stats
+        return {
+            "live_requests": self._live_requests,
+            "live_samples": self._live_samples,
+            "queued_requests": self.queued_requests,
+            "connected_clients": len(self._clients),
+            "requests_accepted": stats.requests_accepted,
+            "output_tokens": stats.output_tokens,
+            "aborted_by_client": stats.aborted_by_client,
+            "timed_out": stats.timed_out,
+            "stop_sequence_hits": stats.stop_sequence_hits,
+            "clients_expired": stats.clients_expired,
+            "slow_consumers": stats.slow_consumers,
+        }
 
     def on_protocol_error(self, client_id: bytes, exc: ProtocolError, now: float) -> Effects:
         """A frame from ``client_id`` could not be decoded; answer with its Error."""
@@ -510,6 +587,7 @@ class SessionTable:
             state=self.state.value,
             live_requests=self._live_requests,
             connected_clients=len(self._clients),
+            paused=self.paused,
         )
         return Effects(replies=[(client_id, reply)])
 

@@ -18,7 +18,7 @@ from copy import copy
 from dataclasses import dataclass
 from typing import Any
 
-from codec import Generate, Logprobs
+from codec import EngineStats, Generate, Logprobs
 from codec import SamplingParams as WireSamplingParams
 
 from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
@@ -153,6 +153,8 @@ class VllmEngine:
         self._defaults = model_config.get_diff_sampling_param()
         self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._lora_modules: dict[str, tuple[int, str]] = {}
+        self._stats: dict[int, EngineStats] = {}
+        self._prefix_counts: dict[int, tuple[int, int]] = {}
         self._closed = False
         generation_config = model_config.try_get_generation_config() or {}
         eos = generation_config.get("eos_token_id", model_config.hf_config.eos_token_id)
@@ -175,13 +177,14 @@ class VllmEngine:
         lora_modules: dict[str, str] | None = None,
         *,
         vllm_config: Any = None,
-        request_stats: bool = False,
+        engine_stats: bool = False,
     ) -> VllmEngine:
         """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs).
 
         ``vllm_config``: from ``engine_config(engine_args)`` when already made.
-        ``request_stats``: the engine records per-request events (queued, scheduled)
-        for ``Finished.timings`` (vLLM's ``log_stats``; ~9% of throughput here, README).
+        ``engine_stats``: vLLM's ``log_stats``: per-request events (queued, scheduled)
+        for ``Finished.timings`` and scheduler stats for ``engine_stats()`` (GetStats);
+        ~9% of throughput on the 2-core CPU box (README).
         """
         from vllm.v1.engine.core_client import EngineCoreClient
         from vllm.v1.executor import Executor
@@ -191,7 +194,7 @@ class VllmEngine:
         client = EngineCoreClient.make_async_mp_client(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),
-            log_stats=request_stats,
+            log_stats=engine_stats,
         )
         try:
             tasks = tuple(await client.get_supported_tasks_async())
@@ -270,11 +273,47 @@ class VllmEngine:
             step = await self._client.get_output_async()
         except Exception as exc:
             raise EngineDead(f"engine process failed: {exc!r}") from exc
+        if step.scheduler_stats is not None:
+            self._note_stats(step.engine_index, step.scheduler_stats)
         outputs = step.outputs
         for i, out in enumerate(outputs):
             if out.new_logprobs is not None or out.new_prompt_logprobs_tensors is not None:
                 outputs[i] = self._convert(out)
         return outputs
+
+    # ------------------------------------------------------------ control plane
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        """vLLM's pause_scheduler: "abort", "wait" (returns once drained) or "keep"."""
+        await self._client.pause_scheduler_async(mode, clear_cache)
+
+    async def resume(self) -> None:
+        await self._client.resume_scheduler_async()
+
+    async def reset_prefix_cache(self, reset_running: bool) -> bool:
+        """vLLM's reset_prefix_cache on every engine; its result (False: not reset)."""
+        return bool(await self._client.reset_prefix_cache_async(reset_running))
+
+    def engine_stats(self) -> list[EngineStats]:
+        """Per engine (DP rank): the latest scheduler stats; empty without engine_stats."""
+        return [self._stats[index] for index in sorted(self._stats)]
+
+    def _note_stats(self, index: int, stats: Any) -> None:
+        queries, hits = self._prefix_counts.get(index, (0, 0))
+        prefix = stats.prefix_cache_stats
+        if prefix.reset:
+            queries = hits = 0
+        queries, hits = queries + prefix.queries, hits + prefix.hits
+        self._prefix_counts[index] = (queries, hits)
+        self._stats[index] = EngineStats(
+            engine_index=index,
+            running=stats.num_running_reqs,
+            waiting=stats.num_waiting_reqs + stats.num_skipped_waiting_reqs,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        )
 
     async def aclose(self) -> None:
         if not self._closed:

@@ -71,13 +71,14 @@ def cpu_engine_args(model: str | None = None, **overrides):
 
 
 @contextlib.asynccontextmanager
-async def engine_gateway(engine_args) -> AsyncIterator:
-    """A real engine started from ``engine_args`` and a gateway on it; both always stopped."""
+async def engine_gateway(engine_args, *, engine_stats: bool = False, **kwargs) -> AsyncIterator:
+    """A real engine started from ``engine_args`` and a gateway on it (``kwargs`` go to the
+    Gateway); both always stopped."""
     from gateway.vllm_engine import VllmEngine
 
-    engine = await VllmEngine.start(engine_args)
+    engine = await VllmEngine.start(engine_args, engine_stats=engine_stats)
     try:
-        async with running_gateway(engine) as gateway:
+        async with running_gateway(engine, **kwargs) as gateway:
             yield gateway
     finally:
         await engine.aclose()
@@ -88,7 +89,7 @@ async def vllm_engine():
     """One real vLLM EngineCore on the tiny model, shared by the whole session."""
     from gateway.vllm_engine import VllmEngine
 
-    engine = await VllmEngine.start(cpu_engine_args(), request_stats=True)
+    engine = await VllmEngine.start(cpu_engine_args(), engine_stats=True)
     yield engine
     await engine.aclose()
 
@@ -102,9 +103,13 @@ async def real_gateway(vllm_engine):
 
 @pytest.fixture(scope="session")
 async def small_gateway():
-    """A gateway on its own real engine with max_num_seqs=2: a third request waits in the
-    engine's queue (deadline and stall tests)."""
-    async with engine_gateway(cpu_engine_args(max_num_seqs=2)) as gateway:
+    """A gateway on its own real engine with max_num_seqs=2 (a third request waits in the
+    engine's queue), engine stats on, and control operations open to every client."""
+    from gateway.auth import ControlPolicy
+
+    async with engine_gateway(
+        cpu_engine_args(max_num_seqs=2), engine_stats=True, control=ControlPolicy(open=True)
+    ) as gateway:
         yield gateway
 
 

@@ -45,6 +45,14 @@ EXPECTED_CODEC = {
     "Overloaded",
     "ModelInfoReply",
     "HealthReply",
+    "Pause",
+    "Resume",
+    "ResetPrefixCache",
+    "GetStats",
+    "ControlDone",
+    "EngineStats",
+    "StatsReply",
+    "CONTROL_MESSAGES",
     "ServerMessage",
 }
 

@@ -406,3 +406,32 @@ async def test_a_saturating_stream_does_not_starve_heartbeats():
         assert elapsed > 0.6  # it outlived at least one heartbeat timeout
     finally:
         server.stop()
+
+
+def test_control_key_allow_list_admits_only_the_named_curve_client(curve_keys):
+    """Both clients pass CURVE; only the one named by --control-key may pause the engine.
+    The decision uses the ZAP User-Id of each message, not the (spoofable) identity."""
+    from client import RequestFailed
+    from gateway.auth import ControlPolicy
+
+    root, config = curve_keys
+    (root / "allowed" / "stranger.key").write_bytes(
+        (root / "stranger" / "stranger.key").read_bytes()
+    )
+    policy = ControlPolicy.from_key_files([root / "client" / "client.key"])
+    with GatewayThread(curve=config, control=policy) as gw:
+        server = root / "server" / "server.key"
+        trainer = load_client_keys(server, root / "client" / "client.key_secret")
+        stranger = load_client_keys(server, root / "stranger" / "stranger.key_secret")
+        with Client(gw.address, curve_keys=stranger, identity=b"same-identity") as other:
+            with pytest.raises(RequestFailed) as info:
+                other.pause("keep")
+            assert info.value.code is ErrorCode.UNAUTHORIZED
+            assert other.complete([5], SamplingParams(max_tokens=2)).output_tokens == 2
+        assert gw.engine.calls == []
+        with Client(gw.address, curve_keys=trainer, identity=b"same-identity") as allowed:
+            assert allowed.pause("keep").operation == "pause"
+            assert allowed.health().paused
+            assert allowed.resume().operation == "resume"
+            assert allowed.stats().gateway["connected_clients"] == 1
+        assert gw.engine.calls == ["pause:keep", "resume"]

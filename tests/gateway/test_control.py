@@ -1,0 +1,145 @@
+"""Control plane on the real engine: pause (abort, wait, keep) and resume, prefix-cache
+reset, stats, and authorization. The gateway here (small_gateway) lets every client call
+control operations; the shared real_gateway lets none."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client import FinishReason, RequestFailed, SamplingParams
+from client.results import Accumulator
+from codec import ErrorCode
+from tests.conftest import TEST_MAX_MODEL_LEN
+from tests.helpers import RecordingClient
+
+pytestmark = pytest.mark.engine
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def collect(client, prompt, sampling, request_id=None):
+    acc = Accumulator()
+    async for out in client.generate(prompt, sampling, request_id=request_id):
+        acc.add(out)
+    (completion,) = acc.done.values()
+    return completion
+
+
+def tokens_so_far(client, request_id: str) -> int:
+    return sum(
+        len(o.new_token_ids) for f in client.frames for o in f.outputs if o.request_id == request_id
+    )
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def client(small_gateway):
+    async with RecordingClient(small_gateway.addresses[0], name="trainer") as c:
+        yield c
+    assert not small_gateway.table.paused, "a test left the engine paused"
+
+
+async def test_pause_keep_then_resume_gives_the_unpaused_output(client):
+    reference = (await client.complete([3, 4, 5], greedy(80))).token_ids
+    run = asyncio.ensure_future(collect(client, [3, 4, 5], greedy(80), "kept"))
+    await until(lambda: tokens_so_far(client, "kept") >= 10)
+    done = await client.pause("keep")
+    assert done.operation == "pause" and (await client.health()).paused
+    frozen = tokens_so_far(client, "kept")
+    # A Generate sent during the pause is accepted and waits.
+    late = asyncio.ensure_future(collect(client, [6, 7], greedy(5), "late"))
+    await asyncio.sleep(0.5)
+    assert tokens_so_far(client, "kept") == frozen and tokens_so_far(client, "late") == 0
+    assert not run.done() and not late.done()
+    await client.resume()
+    assert not (await client.health()).paused
+    assert (await run).token_ids == reference
+    assert (await late).token_ids == (await client.complete([6, 7], greedy(5))).token_ids
+
+
+async def test_pause_abort_ends_live_requests_with_their_partial_tokens(client):
+    runs = [
+        asyncio.ensure_future(collect(client, [10 + i], greedy(400), f"ab{i}")) for i in range(2)
+    ]
+    await until(lambda: min(tokens_so_far(client, f"ab{i}") for i in range(2)) >= 3)
+    await client.pause("abort")
+    for i, run in enumerate(runs):
+        ended = await run
+        assert ended.finish_reason is FinishReason.ABORT
+        assert 0 < ended.output_tokens == len(ended.token_ids) < 400
+        assert len(client.terminals(f"ab{i}")) == 1 and client.outputs_after_terminal(f"ab{i}") == 0
+    await client.resume()
+    assert (await client.complete([1, 2], greedy(4))).output_tokens == 4
+
+
+async def test_pause_wait_replies_once_in_flight_requests_finished(client):
+    runs = [asyncio.ensure_future(collect(client, [20 + i], greedy(60))) for i in range(2)]
+    await until(lambda: client.frames != [] and any(not r.done() for r in runs))
+    await asyncio.sleep(0.05)
+    await client.pause("wait")
+    assert all(run.done() for run in runs)  # their terminals came before the reply
+    assert [(await run).output_tokens for run in runs] == [60, 60]
+    await client.resume()
+
+
+async def test_reset_prefix_cache_and_stats(client, small_gateway):
+    prompt = [(i * 5) % 400 + 3 for i in range(200)]
+    await client.complete(prompt, greedy(2))
+    assert (await client.complete(prompt, greedy(2))).cached_tokens == 128
+    assert await client.reset_prefix_cache() is True
+    assert (await client.complete(prompt, greedy(2))).cached_tokens == 0
+    # Stats: running while requests run, 0 after; the gateway's own counts beside them.
+    runs = [asyncio.ensure_future(collect(client, [30 + i], greedy(200))) for i in range(2)]
+    await until(lambda: client.frames and all(not r.done() for r in runs))
+    await asyncio.sleep(0.1)
+    busy = await client.stats()
+    (engine,) = busy.engines
+    assert engine.engine_index == 0 and engine.running == 2 and 0 < engine.kv_cache_usage < 1
+    assert engine.prefix_cache_queries > 0 and busy.gateway["live_requests"] == 2
+    await asyncio.gather(*runs)
+    idle = await client.stats()
+    assert idle.engines[0].running == 0 and idle.gateway["live_requests"] == 0
+
+
+async def test_control_under_load_loses_no_other_request(client, small_gateway):
+    async with RecordingClient(small_gateway.addresses[0], name="bystander") as other:
+        runs = [
+            asyncio.ensure_future(collect(other, [40 + i], greedy(30), f"o{i}")) for i in range(4)
+        ]
+        await until(lambda: other.frames != [])
+        await client.stats()
+        await client.reset_prefix_cache()
+        await client.pause("keep")
+        await asyncio.sleep(0.2)
+        await client.resume()
+        results = await asyncio.gather(*runs)
+        assert [r.output_tokens for r in results] == [30] * 4
+        for i in range(4):
+            assert len(other.terminals(f"o{i}")) == 1 and other.outputs_after_terminal(f"o{i}") == 0
+
+
+async def test_unauthorized_clients_are_refused_and_the_engine_is_untouched(real_gateway):
+    async with RecordingClient(real_gateway.addresses[0], name="stranger") as stranger:
+        run = asyncio.ensure_future(collect(stranger, [9], greedy(TEST_MAX_MODEL_LEN // 4)))
+        for call in (
+            stranger.pause("abort"),
+            stranger.pause("keep"),
+            stranger.resume(),
+            stranger.reset_prefix_cache(),
+            stranger.stats(),
+        ):
+            with pytest.raises(RequestFailed) as info:
+                await call
+            assert info.value.code is ErrorCode.UNAUTHORIZED
+            assert "not allowed" in info.value.message
+        assert not real_gateway.table.paused and not (await stranger.health()).paused
+        assert (await run).finish_reason is FinishReason.LENGTH  # not aborted, not frozen
