@@ -46,7 +46,7 @@ def test_truncated_or_invalid_msgpack_is_malformed(raw):
     assert decode_error([V1, raw]).code is ErrorCode.MALFORMED
 
 
-@pytest.mark.parametrize("tag", [0, 7, 63, 64, 99, -1, "generate", 2.0])
+@pytest.mark.parametrize("tag", [0, 50, 63, 64, 99, -1, "generate", 2.0])
 def test_unknown_tags_are_unknown_message(tag):
     err = decode_error([V1, payload([tag, "r", [1]])])
     assert err.code is ErrorCode.UNKNOWN_MESSAGE

@@ -17,7 +17,7 @@ from codec import (
     decode_server,
     encode,
 )
-from codec.messages import CLIENT_TAGS, SERVER_TAGS
+from codec.messages import CLIENT_TAGS, SERVER_TAGS, ClientMessage, ServerMessage
 from tests.strategies import client_messages, server_messages
 
 
@@ -36,7 +36,10 @@ def test_every_server_message_round_trips(msg):
 def test_tags_are_unique_and_in_their_ranges():
     assert all(1 <= tag <= 63 for tag in CLIENT_TAGS)
     assert all(64 <= tag <= 127 for tag in SERVER_TAGS)
-    assert len(CLIENT_TAGS) == 6 and len(SERVER_TAGS) == 8
+    assert len(CLIENT_TAGS) == len(ClientMessage.__args__) and len(SERVER_TAGS) == len(
+        ServerMessage.__args__
+    )
+    assert sorted(CLIENT_TAGS) == list(range(1, len(CLIENT_TAGS) + 1))  # dense, in order
 
 
 def test_omitted_trailing_fields_take_their_defaults():
