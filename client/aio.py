@@ -49,11 +49,13 @@ from codec import (
     Ping,
     Pong,
     ProtocolError,
+    ReloadWeights,
     RequestOptions,
     RequestOutput,
     ResetPrefixCache,
     Resume,
     SamplingParams,
+    SetWeightVersion,
     StatsReply,
     decode_server,
     encode_payload,
@@ -445,6 +447,14 @@ class AsyncClient:
     async def reset_prefix_cache(self, *, reset_running: bool = False) -> bool:
         """Reset the engine's prefix cache; vLLM's result (False: it could not)."""
         return (await self._call(ResetPrefixCache, reset_running)).result
+
+    async def reload_weights(self, path: str, *, version: str | None = None) -> ControlDone:
+        """Load new weights from ``path`` into the running engine, reset the prefix cache,
+        and name the version. Pause (keep) first to stop generation meanwhile."""
+        return await self._call(ReloadWeights, path, version)
+
+    async def set_weight_version(self, version: str) -> ControlDone:
+        return await self._call(SetWeightVersion, version)
 
     async def stats(self) -> StatsReply:
         """Per-engine load (with --engine-stats) and the gateway's counts."""

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from codec import Finished, FinishReason, Logprobs, RequestOutput, RequestTimings
+from codec import (
+    Finished,
+    FinishReason,
+    Logprobs,
+    RequestOutput,
+    RequestTimings,
+    WeightVersionSpan,
+)
 
 __all__ = ["Completion", "Accumulator"]
 
@@ -27,6 +34,7 @@ class Completion:
     external_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     timings: RequestTimings | None = None
+    weight_versions: list[WeightVersionSpan] | None = None  # which weights made which tokens
 
 
 @dataclass(slots=True)
@@ -67,6 +75,7 @@ class Accumulator:
             external_cached_tokens=fin.external_cached_tokens,
             kv_transfer_params=fin.kv_transfer_params,
             timings=fin.timings,
+            weight_versions=fin.weight_versions,
         )
         self.done[i] = completion
         return completion

@@ -122,6 +122,12 @@ class Client:
     def reset_prefix_cache(self, *, reset_running: bool = False) -> bool:
         return self._run(self._async.reset_prefix_cache(reset_running=reset_running))
 
+    def reload_weights(self, path: str, *, version: str | None = None):  # noqa: ANN201
+        return self._run(self._async.reload_weights(path, version=version))
+
+    def set_weight_version(self, version: str):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.set_weight_version(version))
+
     def stats(self):  # noqa: ANN201 - StatsReply
         return self._run(self._async.stats())
 

@@ -42,6 +42,7 @@ from .messages import (
     Pause,
     Ping,
     Pong,
+    ReloadWeights,
     RequestOptions,
     RequestOutput,
     RequestTimings,
@@ -49,8 +50,10 @@ from .messages import (
     Resume,
     SamplingParams,
     ServerMessage,
+    SetWeightVersion,
     StatsReply,
     TokenId,
+    WeightVersionSpan,
 )
 
 __all__ = [
@@ -89,6 +92,9 @@ __all__ = [
     "Overloaded",
     "ModelInfoReply",
     "HealthReply",
+    "WeightVersionSpan",
+    "SetWeightVersion",
+    "ReloadWeights",
     "Pause",
     "Resume",
     "ResetPrefixCache",

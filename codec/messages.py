@@ -260,6 +260,23 @@ class GetStats(_ClientBase, tag=10):
     call_id: int = 0
 
 
+class ReloadWeights(_ClientBase, tag=11):
+    """Load new weights from ``path`` (a checkpoint folder of the served architecture) into
+    the running engine (vLLM's reload_weights), then reset the prefix cache and, if given,
+    set the weight version. Answered by ControlDone."""
+
+    call_id: int = 0
+    path: str = ""
+    version: str | None = None
+
+
+class SetWeightVersion(_ClientBase, tag=12):
+    """Name the weights now serving (vLLM's set_weight_version). Answered by ControlDone."""
+
+    call_id: int = 0
+    version: str = ""
+
+
 ClientMessage = (
     Hello
     | Generate
@@ -271,8 +288,10 @@ ClientMessage = (
     | Resume
     | ResetPrefixCache
     | GetStats
+    | ReloadWeights
+    | SetWeightVersion
 )
-CONTROL_MESSAGES = (Pause, Resume, ResetPrefixCache, GetStats)
+CONTROL_MESSAGES = (Pause, Resume, ResetPrefixCache, GetStats, ReloadWeights, SetWeightVersion)
 
 # ---------------------------------------------------------------- gateway -> client
 
@@ -347,6 +366,14 @@ class RequestTimings(msgspec.Struct, frozen=True, array_like=True, gc=False):
     finished_s: float | None = None
 
 
+class WeightVersionSpan(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """``num_tokens`` output tokens from ``first_token`` on were produced by ``version``."""
+
+    version: str
+    first_token: int
+    num_tokens: int
+
+
 class Finished(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Present on exactly one RequestOutput per sample: the terminal one."""
 
@@ -359,6 +386,8 @@ class Finished(msgspec.Struct, frozen=True, array_like=True, gc=False):
     kv_transfer_params: dict[str, Any] | None = None  # from the engine's final output
     external_cached_tokens: int = 0  # of cached_tokens, loaded through a KV connector
     timings: RequestTimings | None = None
+    # Which weights produced which output tokens, in order (several after a reload).
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class RequestOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -370,6 +399,9 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None  # on the first output only
     index: int = 0  # which of the n samples
+    # The engine's weight version for this output's tokens; nil = the same as this
+    # sample's previous output (sent on a sample's first tokens and whenever it changes).
+    weight_version: str | None = None
 
 
 class HelloAck(_ServerBase, tag=64):
@@ -445,7 +477,7 @@ class ControlDone(_ServerBase, tag=72):
     """A control call finished: which one, and vLLM's result when it has one."""
 
     call_id: int
-    operation: str  # "pause", "resume", "reset_prefix_cache"
+    operation: str  # "pause", "resume", "reset_prefix_cache", "reload_weights", ...
     result: Any = None
 
 

@@ -88,6 +88,7 @@ class Engine(Protocol):
     """What the gateway needs from an engine: vLLM's method names minus ``_async``."""
 
     info: EngineInfo
+    weight_version: str | None  # the engine's weight version for the latest step returned
 
     def prepare(self, engine_request_id: str, request: Generate) -> Sequence[PreparedRequest]:
         """Validate and build one engine request per sample (n of them).

@@ -60,6 +60,7 @@ class FakeEngine:
     fail_submits: int = 0  # the next this many add_requests calls fail their first request
     paused: bool = False  # Pause(keep/abort): no steps until resume()
     calls: list[str] = field(default_factory=list)  # control calls made, in order
+    weight_version: str | None = None
 
     def prepare(self, engine_request_id: str, request: Generate) -> list[FakePrepared]:
         prompt = request.prompt_token_ids

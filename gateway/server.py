@@ -29,9 +29,11 @@ from codec import (
     GetStats,
     Pause,
     ProtocolError,
+    ReloadWeights,
     ResetPrefixCache,
     Resume,
     ServerMessage,
+    SetWeightVersion,
     StatsReply,
     decode_client,
 )
@@ -270,7 +272,7 @@ class Gateway:
                 self._on_engine_dead(exc.message)
                 return
             start = clock()
-            effects = table.on_step(outputs, time.monotonic())
+            effects = table.on_step(outputs, time.monotonic(), engine.weight_version)
             for client_id, msg in effects.replies:
                 send(client_id, msg)
             observe(clock() - start)
@@ -331,6 +333,12 @@ class Gateway:
             elif isinstance(call, ResetPrefixCache):
                 done = await engine.reset_prefix_cache(call.reset_running)
                 reply = ControlDone(call.call_id, "reset_prefix_cache", done)
+            elif isinstance(call, ReloadWeights):
+                result = await engine.reload_weights(call.path, call.version)
+                reply = ControlDone(call.call_id, "reload_weights", result)
+            elif isinstance(call, SetWeightVersion):
+                await engine.set_weight_version(call.version)
+                reply = ControlDone(call.call_id, "set_weight_version", call.version)
             elif isinstance(call, GetStats):
                 reply = StatsReply(call.call_id, engine.engine_stats(), self.table.gateway_stats())
             else:  # pragma: no cover - the table passes only the calls above

@@ -56,11 +56,14 @@ from codec import (
     Ping,
     Pong,
     ProtocolError,
+    ReloadWeights,
     RequestOutput,
     RequestTimings,
     ResetPrefixCache,
     Resume,
     ServerMessage,
+    SetWeightVersion,
+    WeightVersionSpan,
     prompt_too_long,
 )
 
@@ -148,6 +151,8 @@ class _Sample:
     queued_at: float | None = None
     scheduled_at: float | None = None
     first_token_at: float | None = None
+    # Weight versions of the tokens produced, as [version, first_token, num_tokens] spans.
+    versions: list[list] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -233,6 +238,8 @@ class SessionTable:
             Resume: self._on_unauthorized_control,
             ResetPrefixCache: self._on_unauthorized_control,
             GetStats: self._on_unauthorized_control,
+            ReloadWeights: self._on_unauthorized_control,
+            SetWeightVersion: self._on_unauthorized_control,
         }
 
     # ------------------------------------------------------------ queries
@@ -593,7 +600,9 @@ class SessionTable:
 
     # ------------------------------------------------------------ engine side
 
-    def on_step(self, outputs: Sequence[StepOutput], now: float) -> Effects:
+    def on_step(
+        self, outputs: Sequence[StepOutput], now: float, weight_version: str | None = None
+    ) -> Effects:
         """One engine step: at most one Outputs frame per client, and the engine ids to
         abort (samples a stop sequence ended)."""
         effects = Effects()
@@ -605,7 +614,7 @@ class SessionTable:
                 self.stats.late_outputs += 1
                 continue
             request, sample = entry
-            reply = self._on_sample_output(request, sample, out, now, effects.abort)
+            reply = self._on_sample_output(request, sample, out, now, effects.abort, weight_version)
             if reply is not None:
                 bucket = per_client.get(request.client_id)
                 if bucket is None:
@@ -616,14 +625,23 @@ class SessionTable:
         return effects
 
     def _on_sample_output(
-        self, request: _Request, sample: _Sample, out: StepOutput, now: float, abort: list[str]
+        self,
+        request: _Request,
+        sample: _Sample,
+        out: StepOutput,
+        now: float,
+        abort: list[str],
+        weight_version: str | None = None,
     ) -> RequestOutput | None:
         new_token_ids = out.new_token_ids
         new_logprobs = out.new_logprobs
+        version_changed = None
         if new_token_ids:
             request.last_output_at = now
             if sample.first_token_at is None:
                 sample.first_token_at = now
+            if weight_version is not None:
+                version_changed = _note_version(sample, weight_version, len(new_token_ids))
         stats = out.prefill_stats
         if stats is not None:
             sample.cached_tokens = stats.num_cached_tokens
@@ -679,6 +697,7 @@ class SessionTable:
                 new_logprobs,
                 out.new_prompt_logprobs_tensors,
                 sample.index,
+                version_changed,
             )
         sample.token_ids.extend(new_token_ids)
         sample.logprobs = Logprobs.concat(sample.logprobs, new_logprobs)
@@ -720,6 +739,7 @@ class SessionTable:
             kv_transfer_params,
             sample.external_cached_tokens,
             timings,
+            _spans(sample.versions, sample.output_tokens) if sample.versions else None,
         )
 
     @staticmethod
@@ -904,6 +924,27 @@ class SessionTable:
         effects = Effects()
         self._end_requests(self._all_requests(), FinishReason.ABORT, effects)
         return effects
+
+
+def _note_version(sample: _Sample, version: str, tokens: int) -> str | None:
+    """Count ``tokens`` new tokens under ``version``; the version if it starts a span."""
+    spans = sample.versions
+    if spans and spans[-1][0] == version:
+        spans[-1][2] += tokens
+        return None
+    first = spans[-1][1] + spans[-1][2] if spans else 0
+    spans.append([version, first, tokens])
+    return version
+
+
+def _spans(spans: list[list], output_tokens: int) -> list[WeightVersionSpan]:
+    """The spans covering the first ``output_tokens`` tokens (after any stop-sequence cut)."""
+    kept = []
+    for version, first, count in spans:
+        count = min(count, output_tokens - first)
+        if count > 0:
+            kept.append(WeightVersionSpan(version, first, count))
+    return kept
 
 
 def _note_events(sample: _Sample, events: Sequence) -> None:

@@ -37,16 +37,20 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
-    """Return the path of the tiny model, generating it on first use."""
-    path = (cache_dir or default_cache_dir()) / f"tiny-llama-{_VERSION}"
+def ensure_tiny_model(cache_dir: Path | None = None, weights_seed: int = 0) -> Path:
+    """Return the path of the tiny model, generating it on first use.
+
+    ``weights_seed``: another weight set of the same shape (weight-reload tests).
+    """
+    name = f"tiny-llama-{_VERSION}" + (f"-seed{weights_seed}" if weights_seed else "")
+    path = (cache_dir or default_cache_dir()) / name
     marker = path / "engine-gateway.json"
     if marker.exists():
         return path
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(weights_seed)
     config = LlamaConfig(**TINY_MODEL_CONFIG)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

@@ -154,6 +154,7 @@ class VllmEngine:
         self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._lora_modules: dict[str, tuple[int, str]] = {}
         self._stats: dict[int, EngineStats] = {}
+        self.weight_version: str | None = None  # of the latest step returned
         self._prefix_counts: dict[int, tuple[int, int]] = {}
         self._closed = False
         generation_config = model_config.try_get_generation_config() or {}
@@ -273,6 +274,7 @@ class VllmEngine:
             step = await self._client.get_output_async()
         except Exception as exc:
             raise EngineDead(f"engine process failed: {exc!r}") from exc
+        self.weight_version = step.weight_version
         if step.scheduler_stats is not None:
             self._note_stats(step.engine_index, step.scheduler_stats)
         outputs = step.outputs
@@ -293,6 +295,18 @@ class VllmEngine:
     async def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's reset_prefix_cache on every engine; its result (False: not reset)."""
         return bool(await self._client.reset_prefix_cache_async(reset_running))
+
+    async def reload_weights(self, path: str, version: str | None) -> dict[str, Any]:
+        """vLLM's reload_weights from ``path`` on every worker, then a prefix-cache reset
+        (cached KV came from the old weights) and the new version, if given."""
+        await self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path})
+        reset = bool(await self._client.reset_prefix_cache_async())
+        if version is not None:
+            await self.set_weight_version(version)
+        return {"prefix_cache_reset": reset, "weight_version": version}
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._client.set_weight_version_async(version)
 
     def engine_stats(self) -> list[EngineStats]:
         """Per engine (DP rank): the latest scheduler stats; empty without engine_stats."""

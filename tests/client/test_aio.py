@@ -101,10 +101,11 @@ async def test_a_newer_gateways_codes_reasons_and_messages_reach_the_caller():
             out = [
                 "reason",
                 [7, 8],
-                [9, None, 1, 2, 0, None, 0, None, "future"],
+                [9, None, 1, 2, 0, None, 0, None, None, "future"],
                 None,
                 None,
                 0,
+                None,
                 "x",
             ]
             send(msgspec.msgpack.encode([65, [out], "appended"]))

@@ -55,15 +55,15 @@ def test_sampling_params_travel_as_a_map_of_only_the_set_fields():
 
 
 def test_a_client_ignores_fields_a_newer_gateway_appends():
-    out = [["r", [7], None, None, None, 0, "a field from the future"]]
+    out = [["r", [7], None, None, None, 0, None, "a field from the future"]]
     payload = msgspec.msgpack.encode([65, out, "another"])
     assert decode_server([b"\x01", payload]) == Outputs([RequestOutput("r", [7])])
 
 
 def test_one_token_output_is_compact():
     frame = encode(Outputs([RequestOutput("r1", [300])]))[1]
-    assert len(frame) == 15  # 3 array headers, tag, "r1", token list, 3 nils, index
+    assert len(frame) == 16  # 3 array headers, tag, "r1", token list, 4 nils, index
     final = encode(Outputs([RequestOutput("r1", [5], Finished(FinishReason.STOP, 2, 10, 5))]))[1]
-    assert len(final) <= 23  # Finished: 8 fields, the last three nil / 0 / nil
+    assert len(final) <= 25  # Finished: 9 fields, the last four nil / 0 / nil / nil
     timed = Finished(FinishReason.STOP, 2, 10, 5, timings=RequestTimings(0.001, 0.002, 0.01, 0.5))
     assert len(encode(Outputs([RequestOutput("r1", [5], timed)]))[1]) <= 60

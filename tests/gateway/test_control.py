@@ -143,3 +143,57 @@ async def test_unauthorized_clients_are_refused_and_the_engine_is_untouched(real
             assert "not allowed" in info.value.message
         assert not real_gateway.table.paused and not (await stranger.health()).paused
         assert (await run).finish_reason is FinishReason.LENGTH  # not aborted, not frozen
+
+
+async def test_weight_reload_between_pause_and_resume_with_version_spans(client):
+    """Model B: the tiny model's shape with other weights. After reloading B's files the
+    gateway's greedy output equals offline LLM.generate on B, and a request that ran across
+    pause(keep) -> reload -> resume reports two version spans adding up to its tokens."""
+    from gateway.tiny_model import ensure_tiny_model
+    from tests.offline_reference import run_offline_reference
+
+    model_a, model_b = ensure_tiny_model(), ensure_tiny_model(weights_seed=1)
+    prompt = [17, 18, 19, 20]
+    offline_b = asyncio.ensure_future(
+        asyncio.to_thread(
+            run_offline_reference,
+            str(model_b),
+            TEST_MAX_MODEL_LEN,
+            [{"prompt": prompt, "sampling": {"temperature": 0.0, "max_tokens": 24}}],
+        )
+    )
+    before = await client.complete(prompt, greedy(24))
+    (span,) = before.weight_versions
+    assert (span.first_token, span.num_tokens) == (0, 24)
+    old = span.version
+    # A request that runs across the reload.
+    across = asyncio.ensure_future(collect(client, [3, 3, 3], greedy(120), "across"))
+    await until(lambda: tokens_so_far(client, "across") >= 10)
+    await client.pause("keep")
+    try:
+        done = await client.reload_weights(str(model_b), version="policy-2")
+    finally:
+        await client.resume()
+    # The paused request holds cache blocks, so vLLM does not reset the prefix cache now.
+    assert done.result == {"prefix_cache_reset": False, "weight_version": "policy-2"}
+    spanned = await across
+    first, second = spanned.weight_versions
+    assert first.version == old and second.version == "policy-2"
+    assert first.first_token == 0 and second.first_token == first.num_tokens >= 10
+    assert first.num_tokens + second.num_tokens == spanned.output_tokens == 120
+    # Streamed outputs named the version where it changed.
+    named = [
+        o.weight_version
+        for f in client.frames
+        for o in f.outputs
+        if o.request_id == "across" and o.weight_version
+    ]
+    assert named == [old, "policy-2"]
+    after = await client.complete(prompt, greedy(24))
+    ((reference,),) = [r["samples"] for r in await offline_b]
+    assert after.token_ids == reference["token_ids"] != before.token_ids
+    assert [(s.version, s.num_tokens) for s in after.weight_versions] == [("policy-2", 24)]
+    # Back to A for the other tests (nothing running: the prefix cache is reset too).
+    done = await client.reload_weights(str(model_a), version=old)
+    assert done.result == {"prefix_cache_reset": True, "weight_version": old}
+    assert (await client.complete(prompt, greedy(24))).token_ids == before.token_ids
