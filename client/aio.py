@@ -41,6 +41,8 @@ from codec import (
     HealthReply,
     Hello,
     HelloAck,
+    ListLoras,
+    LoadLora,
     Logprobs,
     ModelInfoReply,
     Outputs,
@@ -56,7 +58,10 @@ from codec import (
     Resume,
     SamplingParams,
     SetWeightVersion,
+    Sleep,
     StatsReply,
+    UnloadLora,
+    WakeUp,
     decode_server,
     encode_payload,
 )
@@ -455,6 +460,23 @@ class AsyncClient:
 
     async def set_weight_version(self, version: str) -> ControlDone:
         return await self._call(SetWeightVersion, version)
+
+    async def sleep(self, level: int = 1) -> ControlDone:
+        """vLLM's sleep (engines with --enable-sleep-mode; else UNSUPPORTED, vLLM's reason)."""
+        return await self._call(Sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> ControlDone:
+        return await self._call(WakeUp, tags)
+
+    async def load_lora(self, name: str, path: str) -> ControlDone:
+        """Load a LoRA adapter; usable at once with RequestOptions(lora_name=name)."""
+        return await self._call(LoadLora, name, path)
+
+    async def unload_lora(self, name: str) -> ControlDone:
+        return await self._call(UnloadLora, name)
+
+    async def list_loras(self) -> list[str]:
+        return (await self._call(ListLoras)).result
 
     async def stats(self) -> StatsReply:
         """Per-engine load (with --engine-stats) and the gateway's counts."""

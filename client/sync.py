@@ -128,6 +128,21 @@ class Client:
     def set_weight_version(self, version: str):  # noqa: ANN201 - ControlDone
         return self._run(self._async.set_weight_version(version))
 
+    def sleep(self, level: int = 1):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.wake_up(tags))
+
+    def load_lora(self, name: str, path: str):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.load_lora(name, path))
+
+    def unload_lora(self, name: str):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.unload_lora(name))
+
+    def list_loras(self) -> list[str]:
+        return self._run(self._async.list_loras())
+
     def stats(self):  # noqa: ANN201 - StatsReply
         return self._run(self._async.stats())
 

