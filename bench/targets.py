@@ -78,14 +78,14 @@ class _Process:
     tokens arrived 100-250 ms late in bursts at concurrency 1.
     """
 
-    def __init__(self, argv: list[str], log_name: str):
+    def __init__(self, argv: list[str], log_name: str, env: dict[str, str] | None = None):
         self.log_path = Path(tempfile.mkdtemp(prefix="eg-bench-")) / log_name
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=_env(),
+            env={**_env(), **(env or {})},
             cwd=ROOT,
             process_group=0,  # killpg-able, same session: see the docstring
         )
@@ -113,7 +113,7 @@ class _Process:
 class GatewayServer:
     """`python -m gateway serve` on the tiny model, bound to ipc:// and tcp:// at once."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, extra_flags: tuple[str, ...] = ()):
         self.ipc = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/bench.sock"
         self.tcp = f"tcp://127.0.0.1:{_free_port()}"
         self.process = _Process(
@@ -131,6 +131,7 @@ class GatewayServer:
                 "100000",
                 "--max-in-flight-total",
                 "100000",
+                *extra_flags,
                 *ENGINE_FLAGS,
             ],
             "gateway.log",
@@ -206,9 +207,11 @@ class HttpTarget:
 
     name = "vllm-http"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, dev_mode: bool = False):
+        """``dev_mode``: VLLM_SERVER_DEV_MODE=1, which mounts /pause, /resume, ..."""
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}/inference/v1/generate"
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base}/inference/v1/generate"
         self.process = _Process(
             [
                 sys.executable,
@@ -227,6 +230,7 @@ class HttpTarget:
                 *ENGINE_FLAGS,
             ],
             "vllm-serve.log",
+            env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else None,
         )
         self._session: Any = None
 
