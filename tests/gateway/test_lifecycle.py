@@ -28,6 +28,7 @@ from client import (
     FinishReason,
     GatewayUnavailable,
     RequestFailed,
+    RequestOptions,
     SamplingParams,
     SessionLost,
 )
@@ -217,7 +218,7 @@ async def wait_client_gone(table, client_id: bytes, timeout: float) -> float:
 class GatewayProcess:
     """`python -m gateway serve` on the tiny model in a subprocess, with its own engine."""
 
-    def __init__(self, *extra: str, address: str | None = None):
+    def __init__(self, *extra: str, address: str | None = None, env: dict | None = None):
         self.address = address or ipc_address("proc")
         self.log = open(Path(self.address.removeprefix("ipc://")).with_suffix(".log"), "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -235,6 +236,7 @@ class GatewayProcess:
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
         )
 
     def engine_core_pids(self) -> list[int]:
@@ -260,8 +262,8 @@ class GatewayProcess:
 def gateway_process():
     processes: list[GatewayProcess] = []
 
-    def start(*extra: str, address: str | None = None) -> GatewayProcess:
-        processes.append(GatewayProcess(*extra, address=address))
+    def start(*extra: str, address: str | None = None, env: dict | None = None) -> GatewayProcess:
+        processes.append(GatewayProcess(*extra, address=address, env=env))
         return processes[-1]
 
     yield start
@@ -394,3 +396,43 @@ async def test_clients_outlive_a_killed_and_restarted_gateway_then_an_engine_dea
         await asyncio.to_thread(blocking.close)
         await impatient.aclose()
         await client.aclose()
+
+
+async def test_stats_have_one_entry_per_data_parallel_rank(gateway_process):
+    """vLLM's data parallelism (two EngineCores behind its load-balancing client): GetStats
+    reports each rank's load, and pinned requests run on either rank."""
+    gw = gateway_process(
+        "--data-parallel-size",
+        "2",
+        "--engine-stats",
+        "--control-open",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank (ANCHORS.md)
+    )
+    async with AsyncClient(gw.address, name="dp", connect_timeout_s=240) as client:
+        long = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
+        short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        pinned = [
+            await client.complete([5, 6], short, options=RequestOptions(data_parallel_rank=r))
+            for r in (0, 1)
+        ]
+        assert pinned[0].token_ids == pinned[1].token_ids  # same weights on both ranks
+        streams = [
+            asyncio.ensure_future(
+                client.complete([7 + r], long, options=RequestOptions(data_parallel_rank=r))
+            )
+            for r in (0, 1)
+        ]
+        async with asyncio.timeout(60):
+            while True:
+                stats = await client.stats()
+                if [e.running for e in stats.engines] == [1, 1]:
+                    break
+                await asyncio.sleep(0.05)
+        assert [e.engine_index for e in stats.engines] == [0, 1]
+        await client.abort()
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream
+        async with asyncio.timeout(30):
+            while any(e.running for e in (await client.stats()).engines):
+                await asyncio.sleep(0.05)
