@@ -146,6 +146,11 @@ class Client:
     def stats(self):  # noqa: ANN201 - StatsReply
         return self._run(self._async.stats())
 
+    @property
+    def connected(self) -> bool:
+        """Whether a session with the gateway is open now."""
+        return self._async.connected
+
     def health(self) -> HealthReply:
         return self._run(self._async.health())
 

@@ -11,11 +11,13 @@ import pytest
 
 from codec import (
     Abort,
+    ControlDone,
     Error,
     ErrorCode,
     Generate,
     Hello,
     Outputs,
+    Pause,
     decode_client,
     decode_server,
     encode,
@@ -35,8 +37,8 @@ def _dumps() -> list[tuple[list[bytes], object]]:
     return pairs
 
 
-def test_the_document_has_its_five_dumps():
-    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66]
+def test_the_document_has_its_dumps():
+    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66, 7, 72]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -48,7 +50,8 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 
 
 def test_dumps_decode_to_the_described_messages():
-    (hello, _), (generate, _), (outputs, _), (abort, _), (error, _) = _dumps()
+    dumps = [frames for frames, _ in _dumps()]
+    hello, generate, outputs, abort, error, pause, done = dumps
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
     g = decode_client(generate)
@@ -71,3 +74,11 @@ def test_dumps_decode_to_the_described_messages():
     e = decode_server(error)
     assert isinstance(e, Error) and e.request_id is None and e.call_id == 9
     assert e.code is ErrorCode.INVALID_MESSAGE
+    p = decode_client(pause)
+    assert isinstance(p, Pause) and (p.call_id, p.mode, p.clear_cache) == (5, "keep", False)
+    d = decode_server(done)
+    assert isinstance(d, ControlDone) and (d.call_id, d.operation, d.result) == (5, "pause", "keep")
+    assert first.weight_version == "v1" and second.weight_version is None
+    (span,) = second.finished.weight_versions
+    assert (span.version, span.first_token, span.num_tokens) == ("v1", 0, 12)
+    assert second.finished.timings.finished_s == 12.5

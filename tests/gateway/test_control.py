@@ -110,8 +110,12 @@ async def test_reset_prefix_cache_and_stats(client, small_gateway):
     assert idle.engines[0].running == 0 and idle.gateway["live_requests"] == 0
 
 
-async def test_control_under_load_loses_no_other_request(client, small_gateway):
+async def test_control_under_load_loses_no_other_request(client, small_gateway, tmp_path):
+    from gateway.tiny_model import ensure_tiny_model
+    from tests.lora_adapter import make_tiny_lora
+
     async with RecordingClient(small_gateway.addresses[0], name="bystander") as other:
+        alone = [(await collect(other, [40 + i], greedy(30))).token_ids for i in range(4)]
         runs = [
             asyncio.ensure_future(collect(other, [40 + i], greedy(30), f"o{i}")) for i in range(4)
         ]
@@ -119,10 +123,15 @@ async def test_control_under_load_loses_no_other_request(client, small_gateway):
         await client.stats()
         await client.reset_prefix_cache()
         await client.pause("keep")
-        await asyncio.sleep(0.2)
+        counts = (await client.stats()).gateway  # any call while paused
+        await client.reload_weights(str(ensure_tiny_model()))  # the same weights again
+        await client.load_lora("u", str(make_tiny_lora(tmp_path / "u")))
+        await client.list_loras()
         await client.resume()
+        await client.unload_lora("u")
+        assert counts["live_requests"] >= 1
         results = await asyncio.gather(*runs)
-        assert [r.output_tokens for r in results] == [30] * 4
+        assert [r.token_ids for r in results] == alone
         for i in range(4):
             assert len(other.terminals(f"o{i}")) == 1 and other.outputs_after_terminal(f"o{i}") == 0
 
@@ -136,6 +145,13 @@ async def test_unauthorized_clients_are_refused_and_the_engine_is_untouched(real
             stranger.resume(),
             stranger.reset_prefix_cache(),
             stranger.stats(),
+            stranger.reload_weights("/nonexistent", version="evil"),
+            stranger.set_weight_version("evil"),
+            stranger.load_lora("x", "/nonexistent"),
+            stranger.unload_lora("x"),
+            stranger.list_loras(),
+            stranger.sleep(1),
+            stranger.wake_up(),
         ):
             with pytest.raises(RequestFailed) as info:
                 await call

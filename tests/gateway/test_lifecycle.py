@@ -349,7 +349,8 @@ async def test_clients_outlive_a_killed_and_restarted_gateway_then_an_engine_dea
                 await streaming
         assert lost.value.retryable and isinstance(lost.value, GatewayUnavailable)
         # 2. During the outage: calls wait (or fail at once with a short reconnect timeout).
-        while client.connected:
+        # Both clients noticed (a call made before that is in flight, and fails with it).
+        while client.connected or blocking.connected:
             await asyncio.sleep(0.01)
         waiting = asyncio.ensure_future(client.complete([7, 8, 9], greedy))
         waiting_sync = asyncio.ensure_future(
