@@ -92,6 +92,8 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--metrics-port", "70000"], ["--metrics-port"]),
         (["--lora-module", "a"], ["--lora-module", "NAME=PATH"]),
         (["--lora-module", "a=/no/such/adapter"], ["--lora-module", "/no/such/adapter"]),
+        (["--control-key", "/tmp/k.key"], ["--control-key", "needs --curve-secret-key"]),
+        (["--control-open", "--control-key", "k"], ["--control-key", "not allowed with"]),
         (["/nonexistent/model"], ["'/nonexistent/model'", "no such folder"]),
         (["./not-here"], ["'./not-here'"]),
     ],
