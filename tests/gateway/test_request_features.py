@@ -123,7 +123,7 @@ async def test_the_engine_stops_at_the_match_not_at_max_tokens(client, real_gate
             while await vllm_engine.has_unfinished_requests():
                 await asyncio.sleep(0.01)
         # Had the engine run on to max_tokens, ~390 more outputs would have been dropped.
-        assert table.stats.late_outputs - late_before <= 3
+        assert table.stats.late_outputs - late_before <= 10
 
 
 async def test_min_tokens_eos_stop_ids_and_logprobs_combine_as_vllm_rules_say(client):
