@@ -257,7 +257,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
         run = await _run_load(client, args, requests, "bench")
         result = _result(args, ack, run)
         if args.flood:
-            result["flood"] = await _flood_run(client, args, requests, result)
+            result["flood"] = await _flood_run(client, args, requests, result, keys)
     return result
 
 
@@ -291,15 +291,17 @@ def _result(args: argparse.Namespace, ack, run: RunResult) -> dict:  # noqa: ANN
 
 
 async def _flood_run(
-    client: AsyncClient, args: argparse.Namespace, requests: list[BenchRequest], alone: dict
+    client: AsyncClient,
+    args: argparse.Namespace,
+    requests: list[BenchRequest],
+    alone: dict,
+    keys: tuple[bytes, bytes, bytes] | None,
 ) -> dict:
-    """The same load again while a Flooder hammers the gateway; per-token latency ratios."""
+    """The same load again while a Flooder (with the same CURVE ``keys``) hammers the
+    gateway; per-token latency ratios."""
     from .flood import Flooder
 
     stop = asyncio.Event()
-    keys = None
-    if args.curve_server_key is not None:
-        keys = load_client_keys(args.curve_server_key, args.curve_client_key)
     flooder = Flooder(
         args.address,
         factor=args.flood_factor,

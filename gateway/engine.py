@@ -37,7 +37,8 @@ class EngineInfo:
 
 
 class PrefillStatsLike(Protocol):
-    num_cached_tokens: int
+    num_cached_tokens: int  # local prefix cache and KV connector together
+    num_external_cached_tokens: int  # of those, loaded through a KV connector
 
 
 class EngineEventLike(Protocol):

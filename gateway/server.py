@@ -23,28 +23,16 @@ import zmq.asyncio
 from codec import (
     CONTROL_MESSAGES,
     VERSION_FRAME,
-    ControlDone,
     Error,
     ErrorCode,
-    GetStats,
-    ListLoras,
-    LoadLora,
-    Pause,
     ProtocolError,
-    ReloadWeights,
-    ResetPrefixCache,
-    Resume,
     ServerMessage,
-    SetWeightVersion,
-    Sleep,
-    StatsReply,
-    UnloadLora,
-    WakeUp,
     decode_client,
 )
 from codec.framing import encode_payload
 
 from .auth import ControlPolicy, CurveConfig
+from .control import control_reply
 from .engine import Engine
 from .errors import EngineDead, RequestRejected, SubmitFailed
 from .metrics import StepHistogram
@@ -80,7 +68,7 @@ class BindError(Exception):
 class Listener:
     """The gateway's ROUTER socket, bound to its addresses (before the engine starts).
 
-    ``bind`` raises BindError, with the socket closed, if any address fails.
+    The constructor raises BindError, with the socket closed, if any address fails.
     """
 
     def __init__(
@@ -327,41 +315,8 @@ class Gateway:
 
     async def _run_control(self, client_id: bytes, call) -> None:  # noqa: ANN001
         """Make one allowed control call on the engine; answer with its result or an Error."""
-        engine = self.engine
         try:
-            if isinstance(call, Pause):
-                await engine.pause(call.mode, call.clear_cache)
-                reply = ControlDone(call.call_id, "pause", call.mode)
-            elif isinstance(call, Resume):
-                await engine.resume()
-                reply = ControlDone(call.call_id, "resume")
-            elif isinstance(call, ResetPrefixCache):
-                done = await engine.reset_prefix_cache(call.reset_running)
-                reply = ControlDone(call.call_id, "reset_prefix_cache", done)
-            elif isinstance(call, ReloadWeights):
-                result = await engine.reload_weights(call.path, call.version)
-                reply = ControlDone(call.call_id, "reload_weights", result)
-            elif isinstance(call, SetWeightVersion):
-                await engine.set_weight_version(call.version)
-                reply = ControlDone(call.call_id, "set_weight_version", call.version)
-            elif isinstance(call, Sleep):
-                await engine.sleep(call.level)
-                reply = ControlDone(call.call_id, "sleep", call.level)
-            elif isinstance(call, WakeUp):
-                await engine.wake_up(call.tags)
-                reply = ControlDone(call.call_id, "wake_up")
-            elif isinstance(call, LoadLora):
-                await engine.load_lora(call.name, call.path)
-                reply = ControlDone(call.call_id, "load_lora", call.name)
-            elif isinstance(call, UnloadLora):
-                await engine.unload_lora(call.name)
-                reply = ControlDone(call.call_id, "unload_lora", call.name)
-            elif isinstance(call, ListLoras):
-                reply = ControlDone(call.call_id, "list_loras", await engine.list_loras())
-            elif isinstance(call, GetStats):
-                reply = StatsReply(call.call_id, engine.engine_stats(), self.table.gateway_stats())
-            else:  # pragma: no cover - the table passes only the calls above
-                raise TypeError(f"not a control call: {call!r}")
+            reply = await control_reply(self.engine, self.table, call)
         except EngineDead as exc:
             self._on_engine_dead(exc.message)
             reply = Error(None, ErrorCode.ENGINE_DEAD, exc.message, call.call_id)

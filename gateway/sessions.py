@@ -148,8 +148,10 @@ class _Sample:
     queued_at: float | None = None
     scheduled_at: float | None = None
     first_token_at: float | None = None
-    # Weight versions of the tokens produced, as [version, first_token, num_tokens] spans.
-    versions: list[list] = field(default_factory=list)
+    # Weight versions of the tokens produced: (version, first token) where each began;
+    # spans' lengths follow from the next start and the final output_tokens.
+    version: str | None = None
+    versions: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -201,7 +203,9 @@ class SessionTable:
         self._by_engine_id: dict[str, tuple[_Request, _Sample]] = {}
         self._live_requests = 0
         self._live_samples = 0
-        self._timed: dict[int, _Request] = {}  # requests with a deadline or stall timeout
+        # Requests with a deadline or stall timeout, in acceptance order (a dict as an
+        # ordered set: _Request hashes by identity).
+        self._timed: dict[_Request, None] = {}
         self.stats = TableStats()
         max_prompt = limits.max_prompt_tokens or info.max_model_len
         self.model_info = ModelInfo(
@@ -269,7 +273,7 @@ class SessionTable:
     def on_control(
         self, client_id: bytes, msg: ClientMessage, now: float, authorized: bool
     ) -> Effects:
-        """A control call (Pause, Resume, ResetPrefixCache, GetStats).
+        """A control call (one of codec.CONTROL_MESSAGES).
 
         Refused with UNAUTHORIZED unless ``authorized`` (the server's policy), and without
         a session. Otherwise the server makes the engine call in ``Effects.control`` and
@@ -503,7 +507,7 @@ class SessionTable:
             if options.deadline_s:
                 request.deadline_at = now + options.deadline_s
             request.stall_timeout_s = options.stall_timeout_s
-            self._timed[id(request)] = request
+            self._timed[request] = None
         client.requests[request_id] = request
         for sample in samples:
             self._by_engine_id[sample.engine_request_id] = (request, sample)
@@ -634,13 +638,16 @@ class SessionTable:
             request.last_output_at = now
             if sample.first_token_at is None:
                 sample.first_token_at = now
-            if weight_version is not None:
-                version_changed = _note_version(sample, weight_version, len(new_token_ids))
+            if weight_version is not None and weight_version != sample.version:
+                # Tokens produced before this output: sent (or cut) plus held back.
+                produced = sample.output_tokens + len(sample.held_ids)
+                sample.versions.append((weight_version, produced))
+                sample.version = version_changed = weight_version
         stats = out.prefill_stats
         if stats is not None:
             sample.cached_tokens = stats.num_cached_tokens
-            sample.external_cached_tokens = getattr(stats, "num_external_cached_tokens", 0)
-        events = getattr(out, "events", None)
+            sample.external_cached_tokens = stats.num_external_cached_tokens
+        events = out.events
         if events:
             _note_events(sample, events)
         reason = out.finish_reason
@@ -759,7 +766,7 @@ class SessionTable:
                 del client.requests[request.request_id]
             self._live_requests -= 1
             if request.deadline_at is not None or request.stall_timeout_s is not None:
-                self._timed.pop(id(request), None)
+                self._timed.pop(request, None)
 
     def _end_requests(
         self,
@@ -838,7 +845,7 @@ class SessionTable:
         if self._timed:
             late = [
                 request
-                for request in self._timed.values()
+                for request in self._timed
                 if (request.deadline_at is not None and now >= request.deadline_at)
                 or (
                     request.stall_timeout_s is not None
@@ -920,25 +927,15 @@ class SessionTable:
         return effects
 
 
-def _note_version(sample: _Sample, version: str, tokens: int) -> str | None:
-    """Count ``tokens`` new tokens under ``version``; the version if it starts a span."""
-    spans = sample.versions
-    if spans and spans[-1][0] == version:
-        spans[-1][2] += tokens
-        return None
-    first = spans[-1][1] + spans[-1][2] if spans else 0
-    spans.append([version, first, tokens])
-    return version
-
-
-def _spans(spans: list[list], output_tokens: int) -> list[WeightVersionSpan]:
-    """The spans covering the first ``output_tokens`` tokens (after any stop-sequence cut)."""
-    kept = []
-    for version, first, count in spans:
-        count = min(count, output_tokens - first)
-        if count > 0:
-            kept.append(WeightVersionSpan(version, first, count))
-    return kept
+def _spans(starts: list[tuple[str, int]], output_tokens: int) -> list[WeightVersionSpan]:
+    """Spans from where each version began, covering the first ``output_tokens`` tokens
+    (after any stop-sequence cut)."""
+    ends = [first for _, first in starts[1:]] + [output_tokens]
+    return [
+        WeightVersionSpan(version, first, min(end, output_tokens) - first)
+        for (version, first), end in zip(starts, ends, strict=True)
+        if first < output_tokens
+    ]
 
 
 def _note_events(sample: _Sample, events: Sequence) -> None:

@@ -396,3 +396,25 @@ def test_deadline_and_stall_end_requests_with_timed_out_once():
     assert sorted(h.aborted) == sorted([ed, es]) and h.table.stats.timed_out == 2
     h.apply(h.table.expire(5.0))
     assert h.take(A) == []
+
+
+def test_weight_version_spans_count_held_back_tokens_and_follow_the_cut():
+    """Versions change between steps while a stop-sequence prefix is held back: the spans
+    start where each version's tokens start, and end at the cut."""
+    h = TableHarness()
+    hello(h, A)
+    sampling = SamplingParams(max_tokens=50, stop_token_sequences=[[7, 8, 9]])
+    h.send(A, Generate("r", [5], True, sampling))
+    (eid,) = engine_ids(h)
+    h.table.on_step([FakeOutput(eid, [1, 7])], 0.0, "a")  # 7 held back
+    h.table.on_step([FakeOutput(eid, [8])], 0.0, "a")
+    effects = h.table.on_step([FakeOutput(eid, [3, 4])], 0.0, "b")  # false start: all out
+    ((_, frame),) = effects.replies
+    (out,) = frame.outputs
+    assert out.new_token_ids == [7, 8, 3, 4] and out.weight_version == "b"
+    effects = h.table.on_step([FakeOutput(eid, [7, 8, 9, 6], 0)], 0.0, "c")
+    ((_, frame),) = effects.replies
+    (last,) = frame.outputs
+    assert last.finished.output_tokens == 5
+    spans = [(s.version, s.first_token, s.num_tokens) for s in last.finished.weight_versions]
+    assert spans == [("a", 0, 3), ("b", 3, 2)]  # "c" began at token 5: all of it was cut

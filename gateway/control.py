@@ -1,0 +1,72 @@
+"""Control operations: which engine call each allowed control message makes, and its reply.
+
+Rule: only these message types exist, each mapped here to a fixed engine method; nothing
+read from the wire names a method. Authorization and the table's side (paused state,
+Pause(abort) terminals) happen before, in SessionTable.on_control; the server runs
+``control_reply`` as its own task and sends what it returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from codec import (
+    ControlDone,
+    GetStats,
+    ListLoras,
+    LoadLora,
+    Pause,
+    ReloadWeights,
+    ResetPrefixCache,
+    Resume,
+    ServerMessage,
+    SetWeightVersion,
+    Sleep,
+    StatsReply,
+    UnloadLora,
+    WakeUp,
+)
+
+from .sessions import SessionTable
+
+__all__ = ["control_reply"]
+
+
+async def control_reply(engine: Any, table: SessionTable, call: Any) -> ServerMessage:
+    """Make ``call``'s engine call; its ControlDone or StatsReply. Engine errors propagate
+    (the server turns them into Errors carrying the call_id). ``engine``: an Engine whose
+    control methods are optional (a missing one becomes UNSUPPORTED in the server)."""
+    call_id = call.call_id
+    match call:
+        case Pause(mode=mode, clear_cache=clear_cache):
+            await engine.pause(mode, clear_cache)
+            return ControlDone(call_id, "pause", mode)
+        case Resume():
+            await engine.resume()
+            return ControlDone(call_id, "resume")
+        case ResetPrefixCache(reset_running=reset_running):
+            done = await engine.reset_prefix_cache(reset_running)
+            return ControlDone(call_id, "reset_prefix_cache", done)
+        case ReloadWeights(path=path, version=version):
+            result = await engine.reload_weights(path, version)
+            return ControlDone(call_id, "reload_weights", result)
+        case SetWeightVersion(version=version):
+            await engine.set_weight_version(version)
+            return ControlDone(call_id, "set_weight_version", version)
+        case Sleep(level=level):
+            await engine.sleep(level)
+            return ControlDone(call_id, "sleep", level)
+        case WakeUp(tags=tags):
+            await engine.wake_up(tags)
+            return ControlDone(call_id, "wake_up")
+        case LoadLora(name=name, path=path):
+            await engine.load_lora(name, path)
+            return ControlDone(call_id, "load_lora", name)
+        case UnloadLora(name=name):
+            await engine.unload_lora(name)
+            return ControlDone(call_id, "unload_lora", name)
+        case ListLoras():
+            return ControlDone(call_id, "list_loras", await engine.list_loras())
+        case GetStats():
+            return StatsReply(call_id, engine.engine_stats(), table.gateway_stats())
+    raise TypeError(f"not a control call: {call!r}")  # the table passes only the above
