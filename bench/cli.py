@@ -4,6 +4,14 @@ direct engine client, on the same model, engine flags and workload, in one run.
     python -m bench --quick              # `make bench`: c=1 and c=64, under 5 minutes
     python -m bench --full               # c=1,16,64,256 and two Poisson rates
     python -m bench --targets gateway-ipc,direct --concurrency 1,64 --output-len 32,128
+    python -m bench --name data_parallel --targets gateway-ipc,gateway-dp2,vllm-http,vllm-http-dp2
+    python -m bench --name frontend_ceiling --executor zero --prompt-len 32 --output-len 512 \
+        --concurrency 256,1024 --targets gateway-ipc,gateway-x2,vllm-http,vllm-http-x2,direct
+
+Targets ending in -dp2 run two data-parallel engines (one core each); -x2 run two frontend
+processes on one engine (`serve --gateway-count 2` through the client's GatewayPool, or
+vLLM's `--api-server-count 2`). `--executor zero` gives every target vLLM's real EngineCore
+with no model compute (bench/zero_engine.py): the frontends' own ceiling.
 
 Results: bench/results/<name>.json, .md and PNG plots; see bench/report.py.
 """
@@ -33,6 +41,10 @@ ALL_TARGETS = [
     "vllm-grpc",
     "vllm-grpc-final",
     "direct",
+    "gateway-dp2",
+    "gateway-x2",
+    "vllm-http-dp2",
+    "vllm-http-x2",
     "gateway-fake",  # the gateway on the fake engine: CLI smoke tests
 ]
 DEFAULT_TARGETS = ["gateway-ipc", "gateway-tcp", "vllm-http", "vllm-grpc", "direct"]
@@ -76,6 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="default: the embedded tiny model")
     p.add_argument("--name", default=None, help="results file stem (default: quick/full)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the fake-engine ceiling")
+    p.add_argument(
+        "--executor",
+        choices=["model", "zero"],
+        default="model",
+        help="zero: vLLM's EngineCore without model compute, for every target",
+    )
+    p.add_argument(
+        "--baseline",
+        default="direct",
+        help="the target the report's ratios are against (default direct)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     return p
 
@@ -192,7 +215,10 @@ async def run(args: argparse.Namespace) -> dict:
 
     from .targets import (
         DirectTarget,
+        EngineSetup,
         FakeGatewayServer,
+        GatewayGroupServer,
+        GatewayPoolTarget,
         GatewayServer,
         GatewayTarget,
         GrpcTarget,
@@ -215,21 +241,33 @@ async def run(args: argparse.Namespace) -> dict:
     unknown = set(names) - set(ALL_TARGETS)
     if unknown:
         raise SystemExit(f"unknown targets {sorted(unknown)}; known: {ALL_TARGETS}")
+    setup = EngineSetup(args.executor)
     real = [n for n in names if n in ("gateway-ipc", "gateway-tcp")]
-    server = GatewayServer(model) if real else None
+    server = GatewayServer(model, setup=setup) if real else None
     fake_server = FakeGatewayServer() if "gateway-fake" in names else None
+    servers: list = [s for s in (server, fake_server) if s is not None]
     targets = []
     for name in names:
         if name == "gateway-fake":
             targets.append(GatewayTarget(fake_server, "fake"))
+        elif name == "gateway-dp2":
+            servers.append(GatewayServer(model, setup=setup.with_dp(2)))
+            targets.append(GatewayTarget(servers[-1], "ipc", name=name))
+        elif name == "gateway-x2":
+            servers.append(GatewayGroupServer(model, 2, setup=setup))
+            targets.append(GatewayPoolTarget(servers[-1], name))
         elif name.startswith("gateway-"):
             targets.append(GatewayTarget(server, name.removeprefix("gateway-")))
         elif name == "vllm-http":
-            targets.append(HttpTarget(model))
+            targets.append(HttpTarget(model, setup=setup))
+        elif name == "vllm-http-dp2":
+            targets.append(HttpTarget(model, setup=setup.with_dp(2), name=name))
+        elif name == "vllm-http-x2":
+            targets.append(HttpTarget(model, setup=setup, api_servers=2, name=name))
         elif name.startswith("vllm-grpc"):
-            targets.append(GrpcTarget(model, stream=name == "vllm-grpc"))
+            targets.append(GrpcTarget(model, stream=name == "vllm-grpc", setup=setup))
         else:
-            targets.append(DirectTarget(model))
+            targets.append(DirectTarget(model, setup=setup))
     try:
         print(
             f"starting {len(targets)} targets (one engine each; the gateway's serves both "
@@ -244,9 +282,8 @@ async def run(args: argparse.Namespace) -> dict:
         for target in targets:
             with contextlib.suppress(Exception):
                 await target.stop()
-        for process in (server, fake_server):
-            if process is not None:
-                process.stop()
+        for process in servers:
+            process.stop()
     ceiling = None
     if not args.no_ceiling:
         from .ceiling import measure_ceiling
@@ -259,7 +296,10 @@ async def run(args: argparse.Namespace) -> dict:
         "settings": {
             "model": model,
             "engine_flags": "enforce_eager, gpu_memory_utilization 0.2,"
-            " max_model_len 2048, skip_tokenizer_init, VLLM_CPU_KVCACHE_SPACE=1",
+            " max_model_len 2048, skip_tokenizer_init, VLLM_CPU_KVCACHE_SPACE=1"
+            + (", zero-compute executor" if args.executor == "zero" else ""),
+            "executor": args.executor,
+            "baseline": args.baseline,
             "workload": {
                 "prompt_len": workload.prompt_len,
                 "output_len": workload.output_len,

@@ -21,7 +21,8 @@ def _ratio(value: float | None, base: float | None) -> str:
 def write_report(results: dict, stem: Path) -> str:
     """Write <stem>.md and plots; return the markdown."""
     rows = [r for r in results["rows"] if r["mode"] == "closed"]
-    direct = {r["concurrency"]: r for r in rows if r["target"] == "direct"}
+    baseline = results["settings"].get("baseline", "direct")
+    direct = {r["concurrency"]: r for r in rows if r["target"] == baseline}
     lines = [
         f"# Benchmark `{results['name']}` ({results['when']})",
         "",
@@ -30,13 +31,13 @@ def write_report(results: dict, stem: Path) -> str:
         "",
         "Closed loop; every target runs at every level in each round, in a shuffled order, "
         f"{results['settings'].get('rounds', 1)} rounds; figures are medians over the rounds "
-        "(throughput range in brackets). Ratios are against the direct engine client at the "
-        "same concurrency, in the same run. Frontend CPU: the gateway process, vLLM's API "
-        "server process, or the benchmark process for the direct client (engine processes "
-        "excluded).",
+        f"(throughput range in brackets). Ratios are against `{baseline}` at the "
+        "same concurrency, in the same run. Frontend CPU: the gateway process(es), vLLM's API "
+        "server process(es), or the benchmark process for the direct client (engine-core, "
+        "worker and DP-coordinator processes excluded).",
         "",
-        "| target | conc | output tok/s | vs direct | req/s | TTFT p50 / p99 ms | "
-        "ITL p50 / p99 ms | E2E p50 ms | CPU s / 1k tok | CPU vs direct | errors |",
+        f"| target | conc | output tok/s | vs {baseline} | req/s | TTFT p50 / p99 ms | "
+        f"ITL p50 / p99 ms | E2E p50 ms | CPU s / 1k tok | CPU vs {baseline} | errors |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["target"])):

@@ -28,6 +28,9 @@ from .workload import RequestRecord, RunResult, Workload
 
 __all__ = [
     "ENGINE_FLAGS",
+    "EngineSetup",
+    "GatewayGroupServer",
+    "GatewayPoolTarget",
     "GatewayServer",
     "GatewayTarget",
     "HttpTarget",
@@ -45,6 +48,54 @@ ENGINE_FLAGS = [
     str(MAX_MODEL_LEN),
     "--skip-tokenizer-init",
 ]
+
+
+DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (2-core box)
+ZERO_EXECUTOR = "bench.zero_engine.ZeroComputeExecutor"
+_ENGINE_PROCESSES = ("EngineCore", "Worker", "Coordinator", "resource_tracker")
+
+
+class EngineSetup:
+    """What every target's engine gets beyond ENGINE_FLAGS: vLLM flags and environment.
+
+    ``executor``: "zero" runs vLLM's EngineCore with no model compute
+    (bench/zero_engine.py); ``data_parallel_size`` > 1 starts that many engines (one
+    core each here).
+    """
+
+    def __init__(self, executor: str = "model", data_parallel_size: int = 1):
+        self.executor = executor
+        self.data_parallel_size = data_parallel_size
+
+    @property
+    def flags(self) -> list[str]:
+        flags = list(ENGINE_FLAGS)
+        if self.executor == "zero":
+            flags += ["--distributed-executor-backend", ZERO_EXECUTOR]
+        if self.data_parallel_size > 1:
+            flags += ["--data-parallel-size", str(self.data_parallel_size)]
+        return flags
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(DP_ENV) if self.data_parallel_size > 1 else {}
+
+    def with_dp(self, size: int) -> EngineSetup:
+        return EngineSetup(self.executor, size)
+
+
+def _frontend_cpu_seconds(pid: int) -> float:
+    """CPU of a server process and its frontend children (API servers, gateways), not of
+    its engine-core, worker or DP-coordinator processes."""
+    total = _cpu_seconds(pid)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                label = " ".join([child.name(), *child.cmdline()])
+                if not any(tag in label for tag in _ENGINE_PROCESSES):
+                    t = child.cpu_times()
+                    total += t.user + t.system
+    return total
 
 
 def _free_port() -> int:
@@ -113,7 +164,13 @@ class _Process:
 class GatewayServer:
     """`python -m gateway serve` on the tiny model, bound to ipc:// and tcp:// at once."""
 
-    def __init__(self, model: str, extra_flags: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model: str,
+        extra_flags: tuple[str, ...] = (),
+        setup: EngineSetup | None = None,
+    ):
+        setup = setup or EngineSetup()
         self.ipc = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/bench.sock"
         self.tcp = f"tcp://127.0.0.1:{_free_port()}"
         self.process = _Process(
@@ -132,9 +189,10 @@ class GatewayServer:
                 "--max-in-flight-total",
                 "100000",
                 *extra_flags,
-                *ENGINE_FLAGS,
+                *setup.flags,
             ],
             "gateway.log",
+            env=setup.env,
         )
 
     def stop(self) -> None:
@@ -167,8 +225,10 @@ class FakeGatewayServer:
 class GatewayTarget:
     """engine-gateway over one transport, driven by the client library."""
 
-    def __init__(self, server: GatewayServer | FakeGatewayServer, transport: str):
-        self.name = f"gateway-{transport}"
+    def __init__(
+        self, server: GatewayServer | FakeGatewayServer, transport: str, name: str | None = None
+    ):
+        self.name = name or f"gateway-{transport}"
         self.server = server
         self.address = getattr(server, transport)
         self._client: AsyncClient | None = None
@@ -205,10 +265,18 @@ class GatewayTarget:
 class HttpTarget:
     """vLLM's tokens-in/tokens-out endpoint (`vllm serve --tokens-only`), SSE streaming."""
 
-    name = "vllm-http"
-
-    def __init__(self, model: str, dev_mode: bool = False):
-        """``dev_mode``: VLLM_SERVER_DEV_MODE=1, which mounts /pause, /resume, ..."""
+    def __init__(
+        self,
+        model: str,
+        dev_mode: bool = False,
+        setup: EngineSetup | None = None,
+        api_servers: int = 1,
+        name: str = "vllm-http",
+    ):
+        """``dev_mode``: VLLM_SERVER_DEV_MODE=1, which mounts /pause, /resume, ...
+        ``api_servers``: vLLM's --api-server-count (frontend processes sharing the port)."""
+        setup = setup or EngineSetup()
+        self.name = name
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/inference/v1/generate"
@@ -227,10 +295,12 @@ class HttpTarget:
                 "--disable-log-stats",
                 "--uvicorn-log-level",
                 "warning",
-                *ENGINE_FLAGS,
+                "--api-server-count",
+                str(api_servers),
+                *setup.flags,
             ],
             "vllm-serve.log",
-            env={"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else None,
+            env={**setup.env, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})},
         )
         self._session: Any = None
 
@@ -254,7 +324,7 @@ class HttpTarget:
         raise RuntimeError(f"vllm serve did not start:\n{self.process.tail()}")
 
     def frontend_cpu_s(self) -> float:
-        return _cpu_seconds(self.process.pid)
+        return _frontend_cpu_seconds(self.process.pid)
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         record = RequestRecord(start=time.monotonic())
@@ -295,7 +365,8 @@ class GrpcTarget:
     chunk's tokens); non-streaming counts the GenerateComplete's output_ids.
     """
 
-    def __init__(self, model: str, stream: bool = True):
+    def __init__(self, model: str, stream: bool = True, setup: EngineSetup | None = None):
+        setup = setup or EngineSetup()
         self.name = "vllm-grpc" if stream else "vllm-grpc-final"
         self.stream_mode = stream
         self.port = _free_port()
@@ -312,9 +383,10 @@ class GrpcTarget:
                 "--port",
                 str(self.port),
                 "--disable-log-stats",
-                *ENGINE_FLAGS,
+                *setup.flags,
             ],
             "vllm-grpc.log",
+            env=setup.env,
         )
         self._channel: Any = None
         self._stub: Any = None
@@ -378,8 +450,9 @@ class InProcessDirectTarget:
 
     name = "direct"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, executor: str = "model"):
         self.model = model
+        self.executor = executor
         self._engine: Any = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
@@ -389,8 +462,13 @@ class InProcessDirectTarget:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from gateway.vllm_engine import VllmEngine, default_engine_args
 
+        extra = {"distributed_executor_backend": ZERO_EXECUTOR} if self.executor == "zero" else {}
         args = default_engine_args(
-            self.model, enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=MAX_MODEL_LEN
+            self.model,
+            enforce_eager=True,
+            gpu_memory_utilization=0.2,
+            max_model_len=MAX_MODEL_LEN,
+            **extra,
         )
         self._engine = await VllmEngine.start(args)
         self._reader = asyncio.ensure_future(self._read())
@@ -446,8 +524,9 @@ class DirectTarget:
 
     name = "direct"
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, setup: EngineSetup | None = None):
         self.model = model
+        self.executor = (setup or EngineSetup()).executor
         self._proc: asyncio.subprocess.Process | None = None
         self._log_path = Path(tempfile.mkdtemp(prefix="eg-bench-")) / "direct.log"
 
@@ -458,6 +537,7 @@ class DirectTarget:
             "-m",
             "bench.direct_worker",
             self.model,
+            self.executor,
             cwd=ROOT,
             env=_env(),
             stdin=asyncio.subprocess.PIPE,
@@ -509,3 +589,81 @@ class DirectTarget:
                 self._proc.kill()
                 await self._proc.wait()
         self._log.close()
+
+
+class GatewayGroupServer:
+    """`python -m gateway serve --gateway-count N`: N gateway processes on one engine."""
+
+    def __init__(self, model: str, count: int, setup: EngineSetup | None = None):
+        setup = setup or EngineSetup()
+        folder = tempfile.mkdtemp(prefix="eg-")
+        self.addresses = [f"ipc://{folder}/group-{i}.sock" for i in range(count)]
+        self.process = _Process(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                model,
+                "--gateway-count",
+                str(count),
+                "--bind",
+                f"ipc://{folder}/group.sock",
+                "--max-in-flight-per-client",
+                "100000",
+                "--max-in-flight-total",
+                "100000",
+                *setup.flags,
+            ],
+            "gateway-group.log",
+            env=setup.env,
+        )
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class GatewayPoolTarget:
+    """Several gateways (--gateway-count N) driven through the client's GatewayPool;
+    frontend CPU is every gateway process's (the supervisor idles)."""
+
+    def __init__(self, server: GatewayGroupServer, name: str):
+        self.name = name
+        self.server = server
+        self._pool: Any = None
+
+    async def start(self) -> None:
+        from client import GatewayPool
+
+        self._pool = GatewayPool(
+            self.server.addresses, name="bench", connect_timeout_s=300, heartbeat_interval_s=5.0
+        )
+        try:
+            await self._pool.connect()
+            deadline = time.monotonic() + 60
+            while len(self._pool.connected) < len(self.server.addresses):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("not every gateway of the group answered")
+                await asyncio.sleep(0.1)
+        except Exception as exc:
+            raise RuntimeError(
+                f"gateway group did not start:\n{self.server.process.tail()}"
+            ) from exc
+
+    def frontend_cpu_s(self) -> float:
+        return _frontend_cpu_seconds(self.server.process.pid)
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
+        record = RequestRecord(start=time.monotonic())
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        try:
+            async for out in self._pool.generate(prompt, sampling):
+                record.got(len(out.new_token_ids))
+        except Exception as exc:
+            record.error = repr(exc)
+        record.end = time.monotonic()
+        return record
+
+    async def stop(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()

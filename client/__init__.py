@@ -16,11 +16,14 @@ from .errors import (
     SessionLost,
 )
 from .keys import create_keys, load_client_keys
+from .pool import GatewayPool, PoolStream
 from .results import Completion
 from .sync import Client
 
 __all__ = [
     "AsyncClient",
+    "GatewayPool",
+    "PoolStream",
     "Client",
     "Completion",
     "ClientError",

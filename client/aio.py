@@ -95,6 +95,7 @@ def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         Logprobs.concat(first.logprobs, then.logprobs),
         Logprobs.concat(first.prompt_logprobs, then.prompt_logprobs),
         first.index,
+        first.weight_version,  # push() merges only outputs whose version did not change
     )
 
 
@@ -126,7 +127,11 @@ class _Stream:
     def push(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             slot = self.open.get(item.index)
-            if slot is not None and len(self.items) >= _MAX_PENDING_OUTPUTS:
+            if (
+                slot is not None
+                and len(self.items) >= _MAX_PENDING_OUTPUTS
+                and item.weight_version is None
+            ):
                 slot.item = _merge(slot.item, item)  # type: ignore[arg-type]
                 if item.finished is not None:
                     del self.open[item.index]

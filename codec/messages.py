@@ -516,6 +516,16 @@ class ModelInfoReply(_ServerBase, tag=70):
     limits: Limits
 
 
+class EngineLoad(msgspec.Struct, frozen=True, gc=False):
+    """Where the load sits: one engine (data-parallel rank), a map on the wire."""
+
+    engine_index: int
+    running: int
+    waiting: int
+    kv_cache_usage: float  # 0..1
+    in_flight: int  # this gateway's unfinished engine requests on it (samples, not requests)
+
+
 class HealthReply(_ServerBase, tag=71):
     """Answers GetHealth."""
 
@@ -525,6 +535,7 @@ class HealthReply(_ServerBase, tag=71):
     live_requests: int
     connected_clients: int
     paused: bool = False  # the engine's scheduler is paused (Pause, until Resume)
+    engines: list[EngineLoad] = []  # per engine, when the gateway knows it (PROTOCOL.md)
 
 
 class ControlDone(_ServerBase, tag=72):

@@ -32,6 +32,7 @@ from .preflight import (
     check_control_keys,
     check_curve_files,
     check_model,
+    gateway_bind_addresses,
 )
 from .sessions import GatewayLimits
 
@@ -121,6 +122,14 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     )
     defaults = GatewayLimits()
     count = bounded(int, 1)
+    g.add_argument(
+        "--gateway-count",
+        type=bounded(int, 1, 64),
+        default=1,
+        metavar="N",
+        help="N gateway processes sharing the engines (as vLLM's --api-server-count);"
+        " gateway i binds each --bind address with port+i (ipc: NAME-i.EXT)",
+    )
     g.add_argument(
         "--max-in-flight-per-client", type=count, default=defaults.max_in_flight_per_client
     )
@@ -279,7 +288,11 @@ def _check_gateway_flags(argv: list[str]) -> None:
     args, _ = quick.parse_known_args(argv)
     for address in args.bind or [DEFAULT_BIND]:
         check_bind_address(address)
-        check_address_free(address)
+    for binds in gateway_bind_addresses(args.bind or [DEFAULT_BIND], args.gateway_count):
+        for address in binds:
+            check_address_free(address)
+    if args.metrics_port and args.metrics_port + args.gateway_count - 1 > 65535:
+        raise UsageError("--metrics-port", "port + gateway count exceeds 65535")
     check_curve_files(args.curve_secret_key, args.curve_allow_dir)
     check_control_keys(args.control_key, args.curve_secret_key is not None)
     for name, path in args.lora_module:
@@ -296,7 +309,8 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     check_model(args.model)
     try:
         engine_args = engine_args_from_namespace(args)
-        return engine_args, engine_config(engine_args)
+        count = args.gateway_count
+        return engine_args, engine_config(engine_args, count, -1 if count > 1 else 0)
     except Exception as exc:  # vLLM's own words for a model or flag it cannot use
         raise UsageError(None, f"engine configuration: {_first_sentence(exc)}") from None
 
@@ -315,7 +329,14 @@ def _first_sentence(exc: Exception) -> str:
     return sentence if len(sentence) <= 300 else sentence[:297] + "..."
 
 
-async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: object) -> int:
+async def _serve(
+    args: argparse.Namespace,
+    engine_args: object,
+    vllm_config: object,
+    client_config: dict | None = None,
+) -> int:
+    """Serve until drained or the engine died. ``client_config``: this process is one of
+    several gateways on an engine group its supervisor started (gateway/group.py)."""
     from .server import BindError, Gateway, Listener
     from .vllm_engine import VllmEngine
 
@@ -342,6 +363,7 @@ async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: obj
                 dict(args.lora_module),
                 vllm_config=vllm_config,
                 engine_stats=args.engine_stats,
+                client_config=client_config,
             )
         except Exception as exc:
             logger.exception("the engine failed to start")
@@ -360,6 +382,8 @@ async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: obj
             gateway_version=gateway_version(),
             listener=listener,
             control=_control_policy(args),
+            # Gateways of one group share the engines: their request ids must not collide.
+            engine_id_prefix="g" if client_config is None else f"g{client_config['client_index']}.",
         )
         if registry is not None:
             from .metrics import GatewayCollector
@@ -378,6 +402,8 @@ async def _serve(args: argparse.Namespace, engine_args: object, vllm_config: obj
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
+        if client_config is not None:  # the supervisor saw the engine group die
+            loop.add_signal_handler(signal.SIGUSR1, engine.mark_dead)
         serving = asyncio.ensure_future(gateway.serve())
         await asyncio.wait(
             [serving, asyncio.ensure_future(gateway.ready.wait())],
@@ -433,6 +459,10 @@ def serve_main(argv: list[str]) -> int:
         if args.model is None:
             _tiny_model_defaults(args, argv)
         engine_args, vllm_config = _preflight(args)
+        if args.gateway_count > 1:
+            from .group import serve_group
+
+            return serve_group(args, vllm_config)
         import uvloop
 
         return uvloop.run(_serve(args, engine_args, vllm_config))

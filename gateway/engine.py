@@ -120,6 +120,9 @@ class Engine(Protocol):
         """Stop the engine and release its resources."""
         ...
 
+    # Optional: ``engine_load() -> list[EngineLoad]``, each engine's running and waiting
+    # requests for HealthReply (the gateway uses it when the engine has it).
+
 
 def sample_engine_request_id(engine_request_id: str, index: int, n: int) -> str:
     """The engine id of sample ``index`` of an ``n``-sample request (vLLM's scheme)."""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from codec import Generate, Logprobs
+from codec import EngineLoad, Generate, Logprobs
 
 from .engine import EngineInfo, sample_engine_request_id
 from .errors import EngineDead, RequestRejected, SubmitFailed
@@ -166,6 +166,11 @@ class FakeEngine:
 
     def engine_stats(self) -> list:
         return []
+
+    def engine_load(self) -> list[EngineLoad]:
+        """One engine: what it holds now (running = live, nothing waits)."""
+        live = len(self._live)
+        return [EngineLoad(0, live, 0, 0.0, live)]
 
     def kill(self) -> None:
         """Simulate the engine process dying."""

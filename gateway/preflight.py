@@ -208,3 +208,33 @@ def check_control_keys(files: list[Path], curve_on: bool) -> None:
             raise UsageError(
                 "--control-key", f"{str(file)!r}: not a readable key ({exc})"
             ) from None
+
+
+def gateway_bind_addresses(binds: list[str], count: int) -> list[list[str]]:
+    """The addresses of each of ``count`` gateways (``--gateway-count``) from ``--bind``.
+
+    One gateway binds ``binds`` as given. With several, gateway i binds every address
+    shifted by i: tcp://HOST:PORT becomes tcp://HOST:PORT+i (port 0 or * stays
+    ephemeral), ipc://DIR/NAME.EXT becomes ipc://DIR/NAME-i.EXT.
+    """
+    if count == 1:
+        return [list(binds)]
+    result = []
+    for index in range(count):
+        mine = []
+        for address in binds:
+            scheme, _, rest = address.partition("://")
+            if scheme == "tcp":
+                host, _, port = rest.rpartition(":")
+                if port.isdigit() and int(port) != 0:
+                    if int(port) + index > 65535:
+                        raise UsageError(
+                            "--gateway-count", f"{address!r}: port {int(port) + index} > 65535"
+                        )
+                    port = str(int(port) + index)
+                mine.append(f"tcp://{host}:{port}")
+            else:
+                path = Path(rest)
+                mine.append(f"ipc://{path.with_name(f'{path.stem}-{index}{path.suffix}')}")
+        result.append(mine)
+    return result

@@ -135,6 +135,7 @@ class Gateway:
         curve: CurveConfig | None = None,
         listener: Listener | None = None,
         control: ControlPolicy = ControlPolicy(),
+        engine_id_prefix: str = "g",
     ):
         self.engine = engine
         self.control = control
@@ -143,7 +144,14 @@ class Gateway:
         self.binds = [bind] if isinstance(bind, str) else list(bind)
         self.drain_timeout_s = drain_timeout_s
         self.engine_dead_grace_s = engine_dead_grace_s
-        self.table = SessionTable(engine.info, engine.prepare, limits, gateway_version)
+        self.table = SessionTable(
+            engine.info,
+            engine.prepare,
+            limits,
+            gateway_version,
+            engine_load=getattr(engine, "engine_load", None),
+            engine_id_prefix=engine_id_prefix,
+        )
         self.addresses: list[str] = []
         self.ready = asyncio.Event()
         self.exit_code = EXIT_OK

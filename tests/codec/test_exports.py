@@ -58,6 +58,7 @@ EXPECTED_CODEC = {
     "ResetPrefixCache",
     "GetStats",
     "ControlDone",
+    "EngineLoad",
     "EngineStats",
     "StatsReply",
     "CONTROL_MESSAGES",

@@ -96,6 +96,8 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--control-open", "--control-key", "k"], ["--control-key", "not allowed with"]),
         (["/nonexistent/model"], ["'/nonexistent/model'", "no such folder"]),
         (["./not-here"], ["'./not-here'"]),
+        (["--gateway-count", "0"], ["--gateway-count", "between 1 and 64"]),
+        (["--gateway-count", "2", "--bind", "tcp://127.0.0.1:65535"], ["--gateway-count", "65536"]),
     ],
 )
 def test_bad_flags_fail_fast_with_one_line_naming_the_flag(argv, fragments):
@@ -118,6 +120,30 @@ def test_busy_tcp_port_is_refused_before_the_engine_starts():
         code, _, err, elapsed = run_cli("serve", "--bind", f"tcp://127.0.0.1:{port}")
     assert_one_line_error(code, err, "--bind", f"tcp://127.0.0.1:{port}", "already in use")
     assert elapsed < 8
+
+
+def test_with_several_gateways_a_busy_port_of_any_of_them_is_refused():
+    """--gateway-count 3 on port P binds P, P+1, P+2: each is checked before vLLM starts."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err, elapsed = run_cli(
+            "serve", "--gateway-count", "3", "--bind", f"tcp://127.0.0.1:{port - 2}"
+        )
+    assert_one_line_error(code, err, "--bind", f"tcp://127.0.0.1:{port}", "already in use")
+    assert elapsed < 8
+
+
+def test_gateway_bind_addresses_shift_ports_and_ipc_names():
+    from gateway.preflight import gateway_bind_addresses
+
+    binds = ["tcp://0.0.0.0:5557", "ipc:///run/eg/gw.sock", "tcp://127.0.0.1:0"]
+    assert gateway_bind_addresses(binds, 1) == [binds]
+    assert gateway_bind_addresses(binds, 2) == [
+        ["tcp://0.0.0.0:5557", "ipc:///run/eg/gw-0.sock", "tcp://127.0.0.1:0"],
+        ["tcp://0.0.0.0:5558", "ipc:///run/eg/gw-1.sock", "tcp://127.0.0.1:0"],
+    ]
 
 
 def test_ipc_path_served_by_another_process_is_not_taken_over():

@@ -8,7 +8,6 @@ which raises on a second terminal never and ends a stream at its terminal).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +16,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import zmq
 import zmq.asyncio
@@ -28,13 +26,12 @@ from client import (
     FinishReason,
     GatewayUnavailable,
     RequestFailed,
-    RequestOptions,
     SamplingParams,
     SessionLost,
 )
 from codec import Abort, AbortAck, ErrorCode, Generate, Hello, Outputs, decode_server, encode
 from gateway.server import EXIT_ENGINE_DEAD
-from tests.conftest import TEST_MAX_MODEL_LEN, ipc_address
+from tests.conftest import TEST_MAX_MODEL_LEN
 from tests.helpers import RecordingClient, TerminalLedger
 
 pytestmark = pytest.mark.engine
@@ -215,62 +212,6 @@ async def wait_client_gone(table, client_id: bytes, timeout: float) -> float:
 # ---------------------------------------------------------------- whole-process tests
 
 
-class GatewayProcess:
-    """`python -m gateway serve` on the tiny model in a subprocess, with its own engine."""
-
-    def __init__(self, *extra: str, address: str | None = None, env: dict | None = None):
-        self.address = address or ipc_address("proc")
-        self.log = open(Path(self.address.removeprefix("ipc://")).with_suffix(".log"), "w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gateway",
-                "serve",
-                "--bind",
-                self.address,
-                "--max-model-len",
-                str(TEST_MAX_MODEL_LEN),
-                *extra,
-            ],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-
-    def engine_core_pids(self) -> list[int]:
-        children = psutil.Process(self.proc.pid).children(recursive=True)
-        return [c.pid for c in children if "EngineCore" in " ".join(c.cmdline() + [c.name()])]
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            orphans = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
-            self.proc.kill()
-            self.proc.wait()
-            for pid in orphans:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.log.close()
-
-
-@pytest.fixture
-def gateway_process():
-    processes: list[GatewayProcess] = []
-
-    def start(*extra: str, address: str | None = None, env: dict | None = None) -> GatewayProcess:
-        processes.append(GatewayProcess(*extra, address=address, env=env))
-        return processes[-1]
-
-    yield start
-    for p in processes:
-        p.stop()
-
-
 async def test_sigterm_drains_in_flight_requests_then_exits_zero(gateway_process):
     gw = gateway_process("--drain-timeout", "60")
     async with RecordingClient(gw.address, name="drain", connect_timeout_s=240) as client:
@@ -397,43 +338,3 @@ async def test_clients_outlive_a_killed_and_restarted_gateway_then_an_engine_dea
         await asyncio.to_thread(blocking.close)
         await impatient.aclose()
         await client.aclose()
-
-
-async def test_stats_have_one_entry_per_data_parallel_rank(gateway_process):
-    """vLLM's data parallelism (two EngineCores behind its load-balancing client): GetStats
-    reports each rank's load, and pinned requests run on either rank."""
-    gw = gateway_process(
-        "--data-parallel-size",
-        "2",
-        "--engine-stats",
-        "--control-open",
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank (ANCHORS.md)
-    )
-    async with AsyncClient(gw.address, name="dp", connect_timeout_s=240) as client:
-        long = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
-        short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        pinned = [
-            await client.complete([5, 6], short, options=RequestOptions(data_parallel_rank=r))
-            for r in (0, 1)
-        ]
-        assert pinned[0].token_ids == pinned[1].token_ids  # same weights on both ranks
-        streams = [
-            asyncio.ensure_future(
-                client.complete([7 + r], long, options=RequestOptions(data_parallel_rank=r))
-            )
-            for r in (0, 1)
-        ]
-        async with asyncio.timeout(60):
-            while True:
-                stats = await client.stats()
-                if [e.running for e in stats.engines] == [1, 1]:
-                    break
-                await asyncio.sleep(0.05)
-        assert [e.engine_index for e in stats.engines] == [0, 1]
-        await client.abort()
-        for stream in streams:
-            with contextlib.suppress(Exception):
-                await stream
-        async with asyncio.timeout(30):
-            while any(e.running for e in (await client.stats()).engines):
-                await asyncio.sleep(0.05)

@@ -53,6 +53,25 @@ def test_probes_are_answered_without_a_session():
     assert isinstance(health, HealthReply) and health.ready and health.call_id == 3
 
 
+def test_health_carries_the_engines_load_and_engine_ids_carry_the_prefix():
+    from codec import EngineLoad
+    from gateway.sessions import SessionTable
+    from tests.helpers import FAKE_INFO
+
+    h = TableHarness()
+    load = [EngineLoad(0, 3, 1, 0.5, 2), EngineLoad(1, 0, 0, 0.0, 0)]
+    h.table = SessionTable(
+        FAKE_INFO, h.engine.prepare, engine_load=lambda: load, engine_id_prefix="g1."
+    )
+    h.send(A, GetHealth(4))
+    (health,) = h.take(A)
+    assert health.engines == load
+    hello(h, A)
+    h.send(A, Generate("r1", [5]))
+    h.send(A, Generate("r2", [5]))
+    assert [p.request_id for p in h.submitted] == ["g1.1", "g1.2"]
+
+
 def test_hello_with_another_protocol_version_is_refused():
     h = TableHarness()
     h.send(A, Hello(2))

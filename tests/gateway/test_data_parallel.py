@@ -1,0 +1,289 @@
+"""vLLM's data parallelism behind the gateway, on the real CPU engine: two EngineCores
+(one core each) behind vLLM's DP coordinator and load-balancing engine client.
+
+Load per rank comes from HealthReply.engines (vLLM's DP coordinator counts), so these
+tests see where each request runs without any hook into the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from client import AsyncClient, ErrorCode, RequestFailed, RequestOptions, SamplingParams
+from gateway.server import EXIT_ENGINE_DEAD
+from gateway.tiny_model import ensure_tiny_model
+from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
+from tests.gateway.test_lifecycle import CLIENT_SCRIPT, wait_client_gone
+from tests.offline_reference import run_offline_reference
+from tests.processes import ROOT
+
+pytestmark = pytest.mark.engine
+
+ONE_CORE_PER_RANK = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # ANCHORS.md: DP on CPU
+LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
+GREEDY_CASES = [([5, 6, 7], 16), ([100, 200, 300, 400], 24)]
+
+
+def pinned(rank: int) -> RequestOptions:
+    return RequestOptions(data_parallel_rank=rank)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Set ``values`` in os.environ (engine processes inherit it at start); restore after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+async def dp_gateway():
+    """A gateway on two data-parallel CPU engines (one core each)."""
+    with environment(ONE_CORE_PER_RANK):
+        context = engine_gateway(cpu_engine_args(data_parallel_size=2))
+        gateway = await context.__aenter__()
+    try:
+        yield gateway
+    finally:
+        await context.__aexit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference() -> list[list[int]]:
+    """Offline LLM.generate on GREEDY_CASES (one engine, no data parallelism)."""
+    cases = [
+        {"prompt": p, "sampling": dict(temperature=0.0, max_tokens=m, ignore_eos=True)}
+        for p, m in GREEDY_CASES
+    ]
+    results = run_offline_reference(str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases)
+    return [r["samples"][0]["token_ids"] for r in results]
+
+
+@pytest.fixture
+async def client(dp_gateway):
+    async with AsyncClient(dp_gateway.addresses[0], name="dp") as c:
+        yield c
+
+
+async def wait_load(client: AsyncClient, want, timeout: float = 30.0) -> list:
+    """Poll GetHealth until ``want(engines)``; returns the engines' load then."""
+    async with asyncio.timeout(timeout):
+        while True:
+            engines = (await client.health()).engines
+            if want(engines):
+                return engines
+            await asyncio.sleep(0.02)
+
+
+def running(engines) -> list[int]:
+    return [e.running for e in engines]
+
+
+async def test_health_reports_each_rank_and_pinning_places_requests(client):
+    engines = await wait_load(client, lambda e: running(e) == [0, 0])
+    assert [e.engine_index for e in engines] == [0, 1]
+    streams = [
+        asyncio.ensure_future(client.complete([9 + i], LONG, options=pinned(1))) for i in range(2)
+    ]
+    engines = await wait_load(client, lambda e: running(e) == [0, 2])
+    assert [e.in_flight for e in engines] == [0, 2]
+    assert engines[1].kv_cache_usage > 0 and engines[0].kv_cache_usage == 0
+    # Unpinned requests go to the idle rank first (vLLM's balancer).
+    free = asyncio.ensure_future(client.complete([3], LONG))
+    await wait_load(client, lambda e: running(e) == [1, 2])
+    await client.abort()
+    for task in (*streams, free):
+        assert (await task).finish_reason.name == "ABORT"
+    await wait_load(client, lambda e: running(e) == [0, 0] and e[1].in_flight == 0)
+
+
+async def test_an_abort_reaches_the_engine_that_runs_the_request(client):
+    on_0 = client.generate([4], LONG, options=pinned(0), request_id="on-0")
+    on_1 = client.generate([4], LONG, options=pinned(1), request_id="on-1")
+    await anext(on_0)
+    await anext(on_1)
+    await wait_load(client, lambda e: running(e) == [1, 1])
+    await client.abort(["on-1"])
+    engines = await wait_load(client, lambda e: running(e) == [1, 0])
+    assert [e.in_flight for e in engines] == [1, 0]
+    await client.abort(["on-0"])
+    await wait_load(client, lambda e: running(e) == [0, 0])
+    for stream in (on_0, on_1):
+        async for _ in stream:
+            pass
+
+
+async def test_a_killed_client_frees_both_engines(client, dp_gateway):
+    address = dp_gateway.addresses[0]
+    identity = f"doomed-dp-{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT_SCRIPT.format(max_tokens=LONG.max_tokens), address, identity],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        assert line.strip() == "streaming"
+        # Three unpinned requests: vLLM's balancer put work on both ranks.
+        await wait_load(client, lambda e: sum(running(e)) == 3 and min(running(e)) >= 1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        await wait_client_gone(dp_gateway.table, identity.encode(), timeout=5.0)
+        await wait_load(client, lambda e: running(e) == [0, 0], timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_greedy_outputs_on_each_rank_equal_offline_generate(client, greedy_reference):
+    for rank in (0, 1):
+        for (prompt, max_tokens), expected in zip(GREEDY_CASES, greedy_reference, strict=True):
+            sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            result = await client.complete(prompt, sampling, options=pinned(rank))
+            assert result.token_ids == expected, f"rank {rank}, prompt {prompt}"
+
+
+async def test_a_rank_out_of_range_is_refused_with_vllms_message(client):
+    with pytest.raises(RequestFailed) as info:
+        await client.complete([1], SamplingParams(max_tokens=1), options=pinned(2))
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+    assert "out of range" in str(info.value)
+
+
+async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exits_3(
+    gateway_process,
+):
+    """In vLLM's DP the group dies with any engine: every live request, on either rank,
+    gets ENGINE_DEAD and the gateway exits 3 for its supervisor."""
+    gw = gateway_process(
+        "--data-parallel-size",
+        "2",
+        "--engine-stats",
+        "--control-open",
+        "--max-model-len",  # overrides the test default: requests outlive the kill
+        "2048",
+        env=ONE_CORE_PER_RANK,
+    )
+    endless = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    # Both cores run an engine flat out here: a patient heartbeat (the default 1 s
+    # interval times out after 3 s of a starved process).
+    patient = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
+    async with AsyncClient(gw.address, name="dp", **patient) as client:
+        short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        results = [await client.complete([5, 6], short, options=pinned(r)) for r in (0, 1)]
+        assert results[0].token_ids == results[1].token_ids  # same weights on both ranks
+
+        async def doomed(rank: int) -> ErrorCode:
+            with pytest.raises(RequestFailed) as info:
+                async for _ in client.generate([7 + rank], endless, options=pinned(rank)):
+                    pass
+            return info.value.code
+
+        tasks = [asyncio.ensure_future(doomed(r)) for r in (0, 1, 1)]
+        async with asyncio.timeout(60):
+            while [e.running for e in (await client.stats()).engines] != [1, 2]:
+                await asyncio.sleep(0.05)
+        stats = await client.stats()
+        assert [e.engine_index for e in stats.engines] == [0, 1]
+        # The DP coordinator's view (HealthReply) follows within its 100 ms publish period.
+        engines = await wait_load(client, lambda e: running(e) == [1, 2])
+        assert [e.in_flight for e in engines] == [1, 2]
+        pids = gw.engine_core_pids()
+        assert len(pids) == 2, gw.output()[-2000:]
+        os.kill(pids[0], signal.SIGKILL)
+        async with asyncio.timeout(60):
+            codes = await asyncio.gather(*tasks)
+        assert codes == [ErrorCode.ENGINE_DEAD] * 3
+    code = await asyncio.to_thread(gw.proc.wait, 60)
+    assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head(
+    gateway_process, greedy_reference, tmp_path
+):
+    """Multi-node DP as two "nodes" on one machine: rank 1 is `vllm serve --headless` (vLLM's
+    own CLI); the gateway is the head with rank 0 (--data-parallel-size-local 1). No
+    --data-parallel-start-rank on the head (it would switch on hybrid load balancing)."""
+    from tests.processes import Process
+
+    rpc_port = free_tcp_port()
+    dp = [
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-size-local",
+        "1",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc_port),
+    ]
+    headless = Process(
+        [
+            sys.executable,
+            "-m",
+            "bench.vllm_cli",
+            "serve",
+            str(ensure_tiny_model()),
+            "--headless",
+            "--data-parallel-start-rank",
+            "1",
+            *dp,
+            "--enforce-eager",
+            "--skip-tokenizer-init",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--max-model-len",
+            str(TEST_MAX_MODEL_LEN),
+            "--seed",
+            "0",
+        ],
+        tmp_path / "headless.log",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    )
+    try:
+        head = gateway_process(*dp, "--seed", "0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+        async with AsyncClient(head.address, name="head", connect_timeout_s=240) as client:
+            assert len(head.engine_core_pids()) == 1  # rank 0 only; rank 1 is the other "node"
+            assert len(headless.engine_core_pids()) == 1, headless.output()[-2000:]
+            for rank in (0, 1):
+                for (prompt, max_tokens), expected in zip(
+                    GREEDY_CASES, greedy_reference, strict=True
+                ):
+                    sampling = SamplingParams(
+                        temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+                    )
+                    result = await client.complete(prompt, sampling, options=pinned(rank))
+                    assert result.token_ids == expected, (rank, headless.output()[-2000:])
+            # The remote rank streams, is seen in the load, and takes aborts.
+            stream = client.generate([11], LONG, options=pinned(1))
+            await anext(stream)
+            await wait_load(client, lambda e: running(e) == [0, 1])
+            await client.abort()
+            await wait_load(client, lambda e: running(e) == [0, 0])
+            await stream.aclose()
+    finally:
+        headless.stop()

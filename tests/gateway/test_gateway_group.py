@@ -1,0 +1,79 @@
+"""``serve --gateway-count 2``: two gateway processes on one real engine (vLLM's
+client_count / client_index), driven through the client library's GatewayPool; one
+gateway is killed, then the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+
+import pytest
+
+from client import ErrorCode, GatewayPool, RequestFailed, SamplingParams, SessionLost
+from gateway.group import EXIT_ENGINE_DEAD
+
+pytestmark = pytest.mark.engine
+
+# Long enough to outlive everything below (the test's gateways run with 2048).
+LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def gateway_pids(log: str) -> dict[int, int]:
+    """Gateway index -> pid, from the supervisor's log lines."""
+    return {int(i): int(pid) for i, pid in re.findall(r"gateway (\d+) \(pid (\d+)\)", log)}
+
+
+async def outcome(stream) -> BaseException | None:
+    try:
+        async for _ in stream:
+            pass
+    except Exception as exc:
+        return exc
+    return None
+
+
+async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_process):
+    supervisor = gateway_process("--gateway-count", "2", "--max-model-len", "2048")
+    base = supervisor.address.removesuffix(".sock")
+    addresses = [f"{base}-0.sock", f"{base}-1.sock"]
+    async with GatewayPool(
+        addresses, connect_timeout_s=240, heartbeat_interval_s=0.5, reconnect_timeout_s=5
+    ) as pool:
+        async with asyncio.timeout(60):
+            while len(pool.connected) < 2:
+                await asyncio.sleep(0.05)
+        # Both gateways serve the same engine: same greedy tokens through either one.
+        results = [await client.complete([7, 8, 9], GREEDY) for client in pool.clients]
+        assert results[0].token_ids == results[1].token_ids
+        streams = [pool.generate([3 + i], LONG) for i in range(4)]
+        for stream in streams:
+            await anext(stream)
+        assert sorted(pool.in_flight().values()) == [2, 2]
+        health = await pool.health()
+        assert [h.live_requests for h in health.values()] == [2, 2]
+        # Gateway 1 dies: its requests fail retryably, the pool carries on with gateway 0.
+        pids = gateway_pids(supervisor.output())
+        assert sorted(pids) == [0, 1], supervisor.output()[-2000:]
+        os.kill(pids[1], signal.SIGKILL)
+        lost = [s for s in streams if s.gateway == addresses[1]]
+        for error in await asyncio.gather(*(outcome(s) for s in lost)):
+            assert isinstance(error, SessionLost) and error.retryable
+        async with asyncio.timeout(10):
+            while pool.connected != [addresses[0]]:
+                await asyncio.sleep(0.05)
+        retried = await pool.complete([7, 8, 9], GREEDY)
+        assert retried.token_ids == results[0].token_ids
+        assert supervisor.proc.poll() is None  # the other gateway keeps serving
+        # Then the engine dies: the supervisor tells gateway 0, whose live requests end
+        # with ENGINE_DEAD, and exits 3 for its own supervisor.
+        engine_pids = supervisor.engine_core_pids()
+        assert len(engine_pids) == 1, supervisor.output()[-2000:]
+        os.kill(engine_pids[0], signal.SIGKILL)
+        kept = [s for s in streams if s.gateway == addresses[0]]
+        for error in await asyncio.gather(*(outcome(s) for s in kept)):
+            assert isinstance(error, RequestFailed) and error.code is ErrorCode.ENGINE_DEAD
+    code = await asyncio.to_thread(supervisor.proc.wait, 60)
+    assert code == EXIT_ENGINE_DEAD, supervisor.output()[-3000:]

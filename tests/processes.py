@@ -1,0 +1,84 @@
+"""Whole processes for tests: the gateway CLI and vLLM's own CLI, each in its own session
+so that stopping one kills every process it started (engines, DP coordinator)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import TEST_MAX_MODEL_LEN, ipc_address
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Process:
+    """A command in its own session, its output in ``log_path``; ``stop`` kills them all."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict | None = None):
+        self.log = open(log_path, "w+")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def descendants(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        return []
+
+    def engine_core_pids(self) -> list[int]:
+        """vLLM EngineCore processes under this one (named EngineCore or EngineCore_DP<r>)."""
+        pids = []
+        for child in self.descendants():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "EngineCore" in " ".join([*child.cmdline(), child.name()]):
+                    pids.append(child.pid)
+        return pids
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        orphans = [p.pid for p in self.descendants()]
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.log.close()
+
+
+class GatewayProcess(Process):
+    """`python -m gateway serve` on the tiny model in a subprocess, with its own engine."""
+
+    def __init__(self, *extra: str, address: str | None = None, env: dict | None = None):
+        self.address = address or ipc_address("proc")
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--bind",
+                self.address,
+                "--max-model-len",
+                str(TEST_MAX_MODEL_LEN),
+                *extra,
+            ],
+            Path(self.address.removeprefix("ipc://")).with_suffix(".log"),
+            env,
+        )
