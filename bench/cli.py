@@ -128,12 +128,16 @@ def _merge(rounds: list[dict]) -> dict:
         "output_tok_s",
         "req_s",
         "cpu_s_per_1k_tokens",
+        "frontend_cpu_us_per_token",
+        "frontend_cores",
+        "engine_cores",
+        "engine_steps_per_s",
         "frontend_cpu_s",
         "wall_s",
         "frames_per_request",
         "e2e_mean_ms",
     ):
-        values = [r[key] for r in rounds if r[key] is not None]
+        values = [r.get(key) for r in rounds if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         out[key] = {
@@ -155,16 +159,21 @@ def _merge(rounds: list[dict]) -> dict:
 async def _measure(
     target, workload: Workload, mode: str, level: float, count: int, salt: int
 ) -> dict:
+    engine0 = target.engine_counters() if hasattr(target, "engine_counters") else None
     if hasattr(target, "measure"):  # runs its own load loop (the direct driver process)
         run, cpu_s = await target.measure(workload, mode, level, count, salt)
-        return summarize(run, cpu_s)
-    reqs = workload.requests(count, salt=salt)
-    cpu0 = target.frontend_cpu_s()
-    if mode == "closed":
-        run = await closed_loop(target.stream, reqs, int(level))
     else:
-        run = await open_loop(target.stream, reqs, level, seed=salt)
-    return summarize(run, target.frontend_cpu_s() - cpu0)
+        reqs = workload.requests(count, salt=salt)
+        cpu0 = target.frontend_cpu_s()
+        if mode == "closed":
+            run = await closed_loop(target.stream, reqs, int(level))
+        else:
+            run = await open_loop(target.stream, reqs, level, seed=salt)
+        cpu_s = target.frontend_cpu_s() - cpu0
+    if engine0 is None:
+        return summarize(run, cpu_s)
+    engine_cpu, steps = target.engine_counters()
+    return summarize(run, cpu_s, engine_cpu - engine0[0], steps - engine0[1])
 
 
 async def _interleaved(

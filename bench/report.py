@@ -50,6 +50,24 @@ def write_report(results: dict, stem: Path) -> str:
             f"{_f(r['e2e_ms']['p50'], '.0f')} | {_f(r['cpu_s_per_1k_tokens'], '.4f')} | "
             f"{_ratio(r['cpu_s_per_1k_tokens'], d.get('cpu_s_per_1k_tokens'))} | {r['errors']} |"
         )
+    if any(r.get("engine_cores") is not None for r in rows):
+        lines += [
+            "",
+            "Where the CPU goes (medians over the rounds): frontend µs of CPU per output token "
+            "and cores busy, the engine processes' cores busy (engine core, workers, DP "
+            "coordinator) and engine steps per second (zero-compute executor only).",
+            "",
+            "| target | conc | output tok/s | frontend µs/token | frontend cores | "
+            "engine cores | engine steps/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(rows, key=lambda r: (r["concurrency"], r["target"])):
+            lines.append(
+                f"| {r['target']} | {r['concurrency']} | {_f(r['output_tok_s'], '.0f')} | "
+                f"{_f(r.get('frontend_cpu_us_per_token'), '.1f')} | "
+                f"{_f(r.get('frontend_cores'), '.2f')} | {_f(r.get('engine_cores'), '.2f')} | "
+                f"{_f(r.get('engine_steps_per_s'), '.0f')} |"
+            )
     poisson = [r for r in results["rows"] if r["mode"] == "poisson"]
     if poisson:
         lines += [

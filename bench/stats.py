@@ -25,8 +25,15 @@ def _ms(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(run: RunResult, cpu_s: float | None) -> dict:
-    """One row of results; ``cpu_s`` is the frontend process's CPU time during the run."""
+def summarize(
+    run: RunResult,
+    cpu_s: float | None,
+    engine_cpu_s: float | None = None,
+    engine_steps: int | None = None,
+) -> dict:
+    """One row of results; ``cpu_s`` is the frontend process's CPU time during the run,
+    ``engine_cpu_s`` its engine processes' (engine core, workers, DP coordinator), and
+    ``engine_steps`` the engine steps (counted by the zero-compute executor only)."""
     ok = [r for r in run.records if r.error is None and r.end is not None]
     tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
@@ -47,5 +54,14 @@ def summarize(run: RunResult, cpu_s: float | None) -> dict:
         "frames_per_request": statistics.fmean(len(r.token_times) for r in ok) if ok else None,
         "frontend_cpu_s": cpu_s,
         "cpu_s_per_1k_tokens": (cpu_s / tokens * 1000) if (cpu_s is not None and tokens) else None,
+        "frontend_cpu_us_per_token": (cpu_s / tokens * 1e6)
+        if (cpu_s is not None and tokens)
+        else None,
+        "frontend_cores": cpu_s / run.wall_s if (cpu_s is not None and run.wall_s) else None,
+        "engine_cpu_s": engine_cpu_s,
+        "engine_cores": engine_cpu_s / run.wall_s
+        if (engine_cpu_s is not None and run.wall_s)
+        else None,
+        "engine_steps_per_s": engine_steps / run.wall_s if (engine_steps and run.wall_s) else None,
         "ttft_samples_ms": [x * 1e3 for x in ttft],
     }

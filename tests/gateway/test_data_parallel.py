@@ -81,12 +81,16 @@ async def client(dp_gateway):
 
 async def wait_load(client: AsyncClient, want, timeout: float = 30.0) -> list:
     """Poll GetHealth until ``want(engines)``; returns the engines' load then."""
-    async with asyncio.timeout(timeout):
-        while True:
-            engines = (await client.health()).engines
-            if want(engines):
-                return engines
-            await asyncio.sleep(0.02)
+    engines: list = []
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                engines = (await client.health()).engines
+                if want(engines):
+                    return engines
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"load never as wanted; last seen {engines}") from None
 
 
 def running(engines) -> list[int]:
@@ -196,14 +200,11 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
             return info.value.code
 
         tasks = [asyncio.ensure_future(doomed(r)) for r in (0, 1, 1)]
-        async with asyncio.timeout(60):
-            while [e.running for e in (await client.stats()).engines] != [1, 2]:
-                await asyncio.sleep(0.05)
-        stats = await client.stats()
-        assert [e.engine_index for e in stats.engines] == [0, 1]
-        # The DP coordinator's view (HealthReply) follows within its 100 ms publish period.
-        engines = await wait_load(client, lambda e: running(e) == [1, 2])
+        # The DP coordinator's view (HealthReply) and the engines' own scheduler stats.
+        engines = await wait_load(client, lambda e: running(e) == [1, 2], timeout=60)
         assert [e.in_flight for e in engines] == [1, 2]
+        stats = await client.stats()
+        assert [(e.engine_index, e.running) for e in stats.engines] == [(0, 1), (1, 2)]
         pids = gw.engine_core_pids()
         assert len(pids) == 2, gw.output()[-2000:]
         os.kill(pids[0], signal.SIGKILL)

@@ -69,11 +69,16 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         assert supervisor.proc.poll() is None  # the other gateway keeps serving
         # Then the engine dies: the supervisor tells gateway 0, whose live requests end
         # with ENGINE_DEAD, and exits 3 for its own supervisor.
+        kept = [pool.generate([20 + i], LONG) for i in range(2)]
+        for stream in kept:
+            await anext(stream)
+        assert {s.gateway for s in kept} == {addresses[0]}
         engine_pids = supervisor.engine_core_pids()
         assert len(engine_pids) == 1, supervisor.output()[-2000:]
         os.kill(engine_pids[0], signal.SIGKILL)
-        kept = [s for s in streams if s.gateway == addresses[0]]
         for error in await asyncio.gather(*(outcome(s) for s in kept)):
             assert isinstance(error, RequestFailed) and error.code is ErrorCode.ENGINE_DEAD
+        for stream in streams:
+            await outcome(stream)
     code = await asyncio.to_thread(supervisor.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, supervisor.output()[-3000:]
