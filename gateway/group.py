@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -41,6 +42,7 @@ def gateway_process_main(
     args: argparse.Namespace, index: int, count: int, client_config: dict[str, Any]
 ) -> None:
     """Entry point of gateway ``index`` (a spawned process)."""
+    faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` prints every thread's stack
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s gateway-{index} %(name)s %(levelname)s %(message)s",
@@ -108,6 +110,7 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
             print(f"engine-gateway serve: the engine failed to start: {exc}", file=sys.stderr)
             _stop_all(gateways, signal.SIGKILL)
             return EXIT_FAILED
+        logger.info("engines ready; %d gateways attaching", count)
         try:
             group.watch(lambda name: note(f"engine {name}"))
             return _supervise(gateways, wake_read, events)

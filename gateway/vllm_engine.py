@@ -10,7 +10,6 @@ defaults come from the model's generation config as in vLLM's OpenAI server.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import logging
 import threading
@@ -168,47 +167,61 @@ def launch_engine_group(
 ) -> EngineGroup:
     """Start the engines for ``gateway_count`` gateways and the gateways themselves.
 
-    As vLLM's multi-API-server launch: the engine listeners are bound here, then
-    ``start_gateway(index, client_config)`` starts gateway ``index`` (a spawned process
-    that hands ``client_config`` to ``VllmEngine.start``), then this waits for the
-    engines' start-up (a gateway that exits meanwhile aborts it). Returns once ready.
+    As vLLM's multi-API-server launch, with one difference: each gateway binds its own
+    engine input and output addresses (ipc paths, or tcp ports chosen here), and the
+    engines connect and reconnect to them as ZeroMQ does. vLLM 0.32 instead binds raw
+    listeners here and hands them to each frontend process; with that, a gateway's first
+    engine call sometimes never got its answer. ``start_gateway(index, client_config)``
+    starts gateway ``index`` (a spawned process that hands ``client_config`` to
+    ``VllmEngine.start``); then this waits for the engines' start-up (a gateway that exits
+    meanwhile aborts it). Returns once the engines are ready.
     """
-    from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
+    from vllm.v1.engine.utils import (
+        EngineZmqAddresses,
+        get_engine_zmq_bind_addresses,
+        launch_core_engines,
+    )
     from vllm.v1.executor import Executor
 
-    listeners = bind_engine_zmq_listeners(vllm_config, gateway_count)
-    try:
-        with launch_core_engines(
-            vllm_config, Executor.get_class(vllm_config), log_stats, listeners.addresses
-        ) as launch:
-            group = EngineGroup(launch.engine_manager, launch.coordinator)
-            stats_address = (
-                launch.coordinator.get_stats_publish_address() if launch.coordinator else None
-            )
-            processes = []
-            for index, (inp, out) in enumerate(
-                zip(listeners.inputs, listeners.outputs, strict=True)
-            ):
-                client_config: dict[str, Any] = {
-                    "input_address": inp.address,
-                    "output_address": out.address,
-                    "input_listener": inp.socket,
-                    "output_listener": out.socket,
-                    "client_count": gateway_count,
-                    "client_index": index,
-                }
-                if stats_address is not None:
-                    client_config["stats_update_address"] = stats_address
-                processes.append(start_gateway(index, client_config))
-                inp.close()
-                out.close()
-            launch.watched_frontend_processes = processes
-    except BaseException:
-        for listener in (*listeners.inputs, *listeners.outputs):
-            with contextlib.suppress(OSError):
-                listener.cleanup()
-        raise
+    endpoints = get_engine_zmq_bind_addresses(vllm_config, gateway_count)
+    addresses = EngineZmqAddresses(
+        inputs=[_concrete(a) for a in endpoints.inputs],
+        outputs=[_concrete(a) for a in endpoints.outputs],
+    )
+    with launch_core_engines(
+        vllm_config, Executor.get_class(vllm_config), log_stats, addresses
+    ) as launch:
+        group = EngineGroup(launch.engine_manager, launch.coordinator)
+        stats_address = (
+            launch.coordinator.get_stats_publish_address() if launch.coordinator else None
+        )
+        processes = []
+        for index in range(gateway_count):
+            client_config: dict[str, Any] = {
+                "input_address": addresses.inputs[index],
+                "output_address": addresses.outputs[index],
+                "client_count": gateway_count,
+                "client_index": index,
+            }
+            if stats_address is not None:
+                client_config["stats_update_address"] = stats_address
+            processes.append(start_gateway(index, client_config))
+        launch.watched_frontend_processes = processes
     return group
+
+
+def _concrete(address: str) -> str:
+    """A tcp://HOST:0 placeholder with a free port (ipc:// paths are concrete already)."""
+    if not address.startswith("tcp://") or not address.endswith(":0"):
+        return address
+    import socket
+
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return address.removesuffix(":0") + f":{port}"
 
 
 def default_engine_args(model: str, **overrides: Any) -> Any:
