@@ -99,6 +99,19 @@ def _frontend_cpu_seconds(pid: int) -> float:
     return total
 
 
+async def _record(generate: Any, prompt: list[int], max_tokens: int) -> RequestRecord:
+    """One greedy streaming request through a client library ``generate``, timed."""
+    record = RequestRecord(start=time.monotonic())
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        async for out in generate(prompt, sampling):
+            record.got(len(out.new_token_ids))
+    except Exception as exc:  # counted, not raised: a benchmark reports errors
+        record.error = repr(exc)
+    record.end = time.monotonic()
+    return record
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -256,15 +269,7 @@ class GatewayTarget:
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
         assert self._client is not None
-        record = RequestRecord(start=time.monotonic())
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        try:
-            async for out in self._client.generate(prompt, sampling):
-                record.got(len(out.new_token_ids))
-        except Exception as exc:  # counted, not raised: a benchmark reports errors
-            record.error = repr(exc)
-        record.end = time.monotonic()
-        return record
+        return await _record(self._client.generate, prompt, max_tokens)
 
     async def stop(self) -> None:
         if self._client is not None:
@@ -676,15 +681,7 @@ class GatewayPoolTarget:
         return self.server.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
-        record = RequestRecord(start=time.monotonic())
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        try:
-            async for out in self._pool.generate(prompt, sampling):
-                record.got(len(out.new_token_ids))
-        except Exception as exc:
-            record.error = repr(exc)
-        record.end = time.monotonic()
-        return record
+        return await _record(self._pool.generate, prompt, max_tokens)
 
     async def stop(self) -> None:
         if self._pool is not None:

@@ -73,7 +73,7 @@ from .errors import (
     RequestOverloaded,
     SessionLost,
 )
-from .results import Accumulator, Completion
+from .results import CompletionCalls
 
 __all__ = ["AsyncClient", "RequestStream"]
 
@@ -225,7 +225,7 @@ class RequestStream:
                 client._loop.call_soon_threadsafe(client._abandon, self.request_id, self._state)
 
 
-class AsyncClient:
+class AsyncClient(CompletionCalls):
     """Connects to a gateway; use as ``async with AsyncClient(address) as client``."""
 
     def __init__(
@@ -381,38 +381,6 @@ class AsyncClient:
             self._send(Abort([request_id]))  # call_id 0: nobody waits for this ack
         else:
             del self._streams[request_id]
-
-    async def complete_samples(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        options: RequestOptions | None = None,
-    ) -> list[Completion]:
-        """Run a non-streaming request; one Completion per sample, by index."""
-        acc = Accumulator()
-        async for out in self.generate(
-            prompt_token_ids, sampling, stream=False, request_id=request_id, options=options
-        ):
-            acc.add(out)
-        return [acc.done[i] for i in sorted(acc.done)]
-
-    async def complete(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        options: RequestOptions | None = None,
-    ) -> Completion:
-        """Run a non-streaming single-sample request and return its Completion."""
-        if sampling is not None and sampling.n not in (None, 1):
-            raise ValueError("complete() is for n=1; use complete_samples() for n>1")
-        (completion,) = await self.complete_samples(
-            prompt_token_ids, sampling, request_id=request_id, options=options
-        )
-        return completion
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> AbortAck:
         """Abort some (or, with None, all) of this client's requests; wait for the ack.

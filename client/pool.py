@@ -22,7 +22,7 @@ from codec import AbortAck, HealthReply, RequestOptions, RequestOutput, Sampling
 
 from .aio import AsyncClient, RequestStream
 from .errors import GatewayUnavailable
-from .results import Accumulator, Completion
+from .results import CompletionCalls
 
 __all__ = ["GatewayPool", "PoolStream"]
 
@@ -80,7 +80,7 @@ class PoolStream:
             self._pool._owners.pop(self._stream.request_id, None)
 
 
-class GatewayPool:
+class GatewayPool(CompletionCalls):
     """Several gateways as one client; use as ``async with GatewayPool(addresses) as pool``.
 
     Keyword arguments go to each AsyncClient (``reconnect_timeout_s`` also bounds how
@@ -194,37 +194,6 @@ class GatewayPool:
         request_id = request_id or f"p{self._prefix}-{next(self._request_ids)}"
         kwargs = dict(stream=stream, request_id=request_id, options=options)
         return PoolStream(self, (prompt_token_ids, sampling), kwargs)
-
-    async def complete_samples(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        options: RequestOptions | None = None,
-    ) -> list[Completion]:
-        acc = Accumulator()
-        async for out in self.generate(
-            prompt_token_ids, sampling, stream=False, request_id=request_id, options=options
-        ):
-            acc.add(out)
-        return [acc.done[i] for i in sorted(acc.done)]
-
-    async def complete(
-        self,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        options: RequestOptions | None = None,
-    ) -> Completion:
-        """A non-streaming single-sample request (as AsyncClient.complete)."""
-        if sampling is not None and sampling.n not in (None, 1):
-            raise ValueError("complete() is for n=1; use complete_samples() for n>1")
-        (completion,) = await self.complete_samples(
-            prompt_token_ids, sampling, request_id=request_id, options=options
-        )
-        return completion
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[AbortAck]:
         """Abort some (None: all) of this pool's requests, on whichever gateway runs them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,12 +10,14 @@ from codec import (
     Finished,
     FinishReason,
     Logprobs,
+    RequestOptions,
     RequestOutput,
     RequestTimings,
+    SamplingParams,
     WeightVersionSpan,
 )
 
-__all__ = ["Completion", "Accumulator"]
+__all__ = ["Completion", "Accumulator", "CompletionCalls"]
 
 
 @dataclass(slots=True)
@@ -78,4 +81,44 @@ class Accumulator:
             weight_versions=fin.weight_versions,
         )
         self.done[i] = completion
+        return completion
+
+
+class CompletionCalls:
+    """``complete()`` and ``complete_samples()`` over a class's streaming ``generate()``
+    (AsyncClient, GatewayPool)."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def complete_samples(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        options: RequestOptions | None = None,
+    ) -> list[Completion]:
+        """Run a non-streaming request; one Completion per sample, by index."""
+        acc = Accumulator()
+        async for out in self.generate(
+            prompt_token_ids, sampling, stream=False, request_id=request_id, options=options
+        ):
+            acc.add(out)
+        return [acc.done[i] for i in sorted(acc.done)]
+
+    async def complete(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        options: RequestOptions | None = None,
+    ) -> Completion:
+        """Run a non-streaming single-sample request and return its Completion."""
+        if sampling is not None and sampling.n not in (None, 1):
+            raise ValueError("complete() is for n=1; use complete_samples() for n>1")
+        (completion,) = await self.complete_samples(
+            prompt_token_ids, sampling, request_id=request_id, options=options
+        )
         return completion

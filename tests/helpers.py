@@ -157,3 +157,13 @@ class RecordingClient(AsyncClient):
                     after += 1
                 seen_terminal |= out.finished is not None
         return after
+
+
+async def stream_outcome(stream) -> BaseException | None:
+    """Read a request stream to its end: the exception it ended with, or None."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception as exc:
+        return exc
+    return None

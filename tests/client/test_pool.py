@@ -11,6 +11,7 @@ import pytest
 from client import FinishReason, GatewayPool, GatewayUnavailable, SamplingParams, SessionLost
 from gateway.fake_engine import FakeEngine
 from tests.conftest import ipc_address, running_gateway
+from tests.helpers import stream_outcome
 
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -23,15 +24,6 @@ async def start_streams(pool: GatewayPool, count: int) -> list:
     for stream in streams:
         await anext(stream)
     return streams
-
-
-async def drain(stream) -> BaseException | None:
-    try:
-        async for _ in stream:
-            pass
-    except Exception as exc:
-        return exc
-    return None
 
 
 async def test_requests_spread_over_the_gateways_by_least_in_flight():
@@ -48,13 +40,13 @@ async def test_requests_spread_over_the_gateways_by_least_in_flight():
         on_a = [s for s in streams if s.gateway == a.addresses[0]]
         await pool.abort([s.request_id for s in on_a])
         for stream in on_a:
-            assert await drain(stream) is None
+            assert await stream_outcome(stream) is None
         assert pool.in_flight() == {a.addresses[0]: 0, b.addresses[0]: 3}
         more = await start_streams(pool, 3)
         assert {s.gateway for s in more} == {a.addresses[0]}
         await pool.abort()
         for stream in streams + more:
-            await drain(stream)
+            await stream_outcome(stream)
         assert pool.in_flight() == {a.addresses[0]: 0, b.addresses[0]: 0}
         health = await pool.health()
         assert [h.live_requests for h in health.values()] == [0, 0]
@@ -69,7 +61,7 @@ async def test_a_lost_gateway_fails_its_requests_retryably_and_new_ones_go_elsew
             streams = await start_streams(pool, 4)
             await stack.aclose()  # gateway b stops (and never answers again)
             results = await asyncio.gather(
-                *(drain(s) for s in streams if s.gateway == b.addresses[0])
+                *(stream_outcome(s) for s in streams if s.gateway == b.addresses[0])
             )
             assert len(results) == 2
             assert all(isinstance(r, SessionLost) and r.retryable for r in results)
@@ -79,7 +71,7 @@ async def test_a_lost_gateway_fails_its_requests_retryably_and_new_ones_go_elsew
             assert pool.in_flight()[b.addresses[0]] == 0
             await pool.abort()
             for stream in streams:
-                await drain(stream)
+                await stream_outcome(stream)
 
 
 async def test_a_gateway_that_starts_later_joins_the_pool():
@@ -98,7 +90,7 @@ async def test_a_gateway_that_starts_later_joins_the_pool():
             assert sorted(pool.in_flight().values()) == [2, 2]
             await pool.abort()
             for stream in streams:
-                await drain(stream)
+                await stream_outcome(stream)
 
 
 async def test_no_gateway_up_is_gateway_unavailable():
