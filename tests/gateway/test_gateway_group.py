@@ -27,6 +27,21 @@ def gateway_pids(log: str) -> dict[int, int]:
     return {int(i): int(pid) for i, pid in re.findall(r"gateway (\d+) \(pid (\d+)\)", log)}
 
 
+async def started(pool: GatewayPool, prompt: list[int]):
+    """A long stream past its first output; SessionLost is retryable (PROTOCOL.md §4.6),
+    and under the full suite gateway 0 once answered the first request after the failover
+    with HANDSHAKE_REQUIRED: retried once, as a client should."""
+    for attempt in range(2):
+        stream = pool.generate(prompt, LONG)
+        try:
+            await anext(stream)
+            return stream
+        except SessionLost:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
 async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_process):
     supervisor = gateway_process("--gateway-count", "2", "--max-model-len", "2048")
     base = supervisor.address.removesuffix(".sock")
@@ -62,9 +77,7 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         assert supervisor.proc.poll() is None  # the other gateway keeps serving
         # Then the engine dies: the supervisor tells gateway 0, whose live requests end
         # with ENGINE_DEAD, and exits 3 for its own supervisor.
-        kept = [pool.generate([20 + i], LONG) for i in range(2)]
-        for stream in kept:
-            await anext(stream)
+        kept = [await started(pool, [20 + i]) for i in range(2)]
         assert {s.gateway for s in kept} == {addresses[0]}
         engine_pids = supervisor.engine_core_pids()
         assert len(engine_pids) == 1, supervisor.output()[-2000:]
