@@ -9,7 +9,13 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["STEPS_DIR_ENV", "ENGINE_PROCESS_TAGS", "engine_cpu_seconds", "read_steps"]
+__all__ = [
+    "STEPS_DIR_ENV",
+    "ENGINE_PROCESS_TAGS",
+    "engine_cpu_seconds",
+    "frontend_cpu_seconds",
+    "read_steps",
+]
 
 # When set, each zero-compute engine counts its steps in DIR/steps-<pid> (8 bytes, mmap).
 STEPS_DIR_ENV = "ENGINE_GATEWAY_ZERO_STEPS_DIR"
@@ -17,21 +23,45 @@ STEPS_DIR_ENV = "ENGINE_GATEWAY_ZERO_STEPS_DIR"
 ENGINE_PROCESS_TAGS = ("EngineCore", "Worker", "Coordinator")
 
 
-def _is_engine(process: psutil.Process) -> bool:
-    label = " ".join([process.name(), *process.cmdline()])
+def _label(process: psutil.Process) -> str:
+    return " ".join([process.name(), *process.cmdline()])
+
+
+def _cpu(process: psutil.Process) -> float:
+    t = process.cpu_times()
+    return t.user + t.system
+
+
+def _tree_cpu_seconds(pid: int, wanted) -> float:  # noqa: ANN001 - (label) -> bool
+    """CPU seconds of the processes under ``pid`` whose name/command line ``wanted`` takes."""
+    total = 0.0
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if wanted(_label(child)):
+                    total += _cpu(child)
+    return total
+
+
+def _is_engine(label: str) -> bool:
     return any(tag in label for tag in ENGINE_PROCESS_TAGS)
 
 
 def engine_cpu_seconds(pid: int) -> float:
     """CPU seconds of the engine-core, worker and DP-coordinator processes under ``pid``."""
-    total = 0.0
+    return _tree_cpu_seconds(pid, _is_engine)
+
+
+def frontend_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a server process and its frontend children (API servers, gateways):
+    everything but its engine processes and multiprocessing's resource tracker."""
+
+    def frontend(label: str) -> bool:
+        return not _is_engine(label) and "resource_tracker" not in label
+
     with contextlib.suppress(psutil.NoSuchProcess):
-        for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                if _is_engine(child):
-                    t = child.cpu_times()
-                    total += t.user + t.system
-    return total
+        return _cpu(psutil.Process(pid)) + _tree_cpu_seconds(pid, frontend)
+    return 0.0
 
 
 def read_steps(folder: str | Path) -> int:

@@ -24,7 +24,12 @@ import psutil
 
 from client import AsyncClient, SamplingParams
 
-from .engine_counters import STEPS_DIR_ENV, engine_cpu_seconds, read_steps
+from .engine_counters import (
+    STEPS_DIR_ENV,
+    engine_cpu_seconds,
+    frontend_cpu_seconds,
+    read_steps,
+)
 from .workload import RequestRecord, RunResult, Workload
 
 __all__ = [
@@ -53,7 +58,6 @@ ENGINE_FLAGS = [
 
 DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (2-core box)
 ZERO_EXECUTOR = "bench.zero_engine.ZeroComputeExecutor"
-_NOT_FRONTEND = ("EngineCore", "Worker", "Coordinator", "resource_tracker")
 
 
 class EngineSetup:
@@ -83,20 +87,6 @@ class EngineSetup:
 
     def with_dp(self, size: int) -> EngineSetup:
         return EngineSetup(self.executor, size)
-
-
-def _frontend_cpu_seconds(pid: int) -> float:
-    """CPU of a server process and its frontend children (API servers, gateways), not of
-    its engine-core, worker or DP-coordinator processes."""
-    total = _cpu_seconds(pid)
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                label = " ".join([child.name(), *child.cmdline()])
-                if not any(tag in label for tag in _NOT_FRONTEND):
-                    t = child.cpu_times()
-                    total += t.user + t.system
-    return total
 
 
 async def _record(generate: Any, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -338,7 +328,7 @@ class HttpTarget:
         raise RuntimeError(f"vllm serve did not start:\n{self.process.tail()}")
 
     def frontend_cpu_s(self) -> float:
-        return _frontend_cpu_seconds(self.process.pid)
+        return frontend_cpu_seconds(self.process.pid)
 
     def engine_counters(self) -> tuple[float, int]:
         return self.process.engine_counters()
@@ -675,7 +665,7 @@ class GatewayPoolTarget:
             ) from exc
 
     def frontend_cpu_s(self) -> float:
-        return _frontend_cpu_seconds(self.server.process.pid)
+        return frontend_cpu_seconds(self.server.process.pid)
 
     def engine_counters(self) -> tuple[float, int]:
         return self.server.process.engine_counters()
