@@ -80,6 +80,7 @@ __all__ = ["AsyncClient", "RequestStream"]
 logger = logging.getLogger("engine_gateway.client")
 _YIELD_EVERY = 32  # frames read before the reader lets other tasks run
 _RECONNECT_BACKOFF_S = (0.05, 2.0)  # first and largest pause between Hellos
+_PAUSE_S = 0.25  # the keeper waking this late means this process itself did not run
 _KEPT_CONNECTION_ERRORS = 64
 _MAX_PENDING_OUTPUTS = 64  # per request; past it, a sample's new outputs merge into its last
 # Errors that mean the gateway no longer holds a session for this client.
@@ -511,9 +512,15 @@ class AsyncClient(CompletionCalls):
             assert ack is not None
             if session.is_set():
                 backoff = _RECONNECT_BACKOFF_S[0]
+                due = time.monotonic() + ack.heartbeat_interval_s
                 await asyncio.sleep(ack.heartbeat_interval_s)
                 self._send(Ping(next(nonces)))
-                silent = time.monotonic() - self._last_heard
+                now = time.monotonic()
+                if now - due > _PAUSE_S:
+                    # This process did not run (host paused, CPU-throttled, loop held):
+                    # what the gateway sent meanwhile waits unread; not its silence.
+                    self._last_heard = min(self._last_heard + now - due, now)
+                silent = now - self._last_heard
                 if silent > ack.heartbeat_timeout_s:
                     self._on_session_lost(f"gateway silent for {silent:.1f}s")
                 continue

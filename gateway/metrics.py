@@ -74,6 +74,12 @@ class GatewayCollector:
             value=stats.clients_expired,
         )
         yield CounterMetricFamily(
+            p + "pauses",
+            "Times the gateway process did not run for over 0.25 s (host paused or"
+            " CPU-throttled); heartbeat timeouts skip that time",
+            value=stats.pauses_forgiven,
+        )
+        yield CounterMetricFamily(
             p + "timed_out", "Requests ended by deadline_s or stall_timeout_s", stats.timed_out
         )
         yield CounterMetricFamily(

@@ -46,6 +46,8 @@ logger = logging.getLogger("engine_gateway")
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 _HOUSEKEEPING_S = 0.1
+_PAUSE_S = 0.25  # a housekeeping tick this late means the process itself did not run
+_PAUSE_LOGGED_S = 1.0
 # zmq drops (and disconnects) peers whose messages exceed this; the protocol
 # limit (max_frame_bytes) is checked ourselves, below this, to answer an Error.
 _HARD_MESSAGE_FACTOR = 4
@@ -286,9 +288,27 @@ class Gateway:
     async def _housekeeping_loop(self) -> None:
         table = self.table
         while True:
+            due = time.monotonic() + _HOUSEKEEPING_S
             await asyncio.sleep(_HOUSEKEEPING_S)
             now = time.monotonic()
+            paused = now - due
+            if paused > _PAUSE_S:
+                # This process did not run (host paused, CPU-throttled, loop held): the
+                # clients' frames wait unread in the socket, their silence is ours.
+                table.forgive(paused, now)
+                if paused >= _PAUSE_LOGGED_S:
+                    logger.warning(
+                        "the gateway did not run for %.1fs (host paused or CPU-throttled?);"
+                        " heartbeat timeouts skip that time",
+                        paused,
+                    )
+            expired = table.stats.clients_expired
             await self._apply(table.expire(now))
+            if table.stats.clients_expired > expired:
+                logger.warning(
+                    "%d client session(s) expired: silent past their heartbeat timeout",
+                    table.stats.clients_expired - expired,
+                )
             if self._backlog:
                 self._flush_backlogs()
             if self._pending_aborts:

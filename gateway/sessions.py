@@ -105,6 +105,7 @@ class TableStats:
     output_tokens: int = 0
     aborted_by_client: int = 0
     clients_expired: int = 0
+    pauses_forgiven: int = 0  # times this process did not run for a while (see forgive)
     slow_consumers: int = 0
     timed_out: int = 0  # requests ended by deadline_s or stall_timeout_s
     stop_sequence_hits: int = 0  # samples ended by a stop sequence
@@ -341,6 +342,7 @@ class SessionTable:
             "timed_out": stats.timed_out,
             "stop_sequence_hits": stats.stop_sequence_hits,
             "clients_expired": stats.clients_expired,
+            "pauses_forgiven": stats.pauses_forgiven,
             "slow_consumers": stats.slow_consumers,
         }
 
@@ -841,6 +843,14 @@ class SessionTable:
         return [r for client in self._clients.values() for r in client.requests.values()]
 
     # ------------------------------------------------------------ lifecycle
+
+    def forgive(self, paused_s: float, now: float) -> None:
+        """This process did not run for ``paused_s`` (a host pause, CPU throttling, a held
+        event loop): its clients could not be heard meanwhile, so their heartbeat clocks
+        skip that time instead of ``expire`` ending every session at once."""
+        self.stats.pauses_forgiven += 1
+        for client in self._clients.values():
+            client.last_seen = min(client.last_seen + paused_s, now)
 
     def expire(self, now: float) -> Effects:
         """Abort the requests of clients silent past their heartbeat timeout; end requests

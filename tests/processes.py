@@ -1,5 +1,9 @@
-"""Whole processes for tests: the gateway CLI and vLLM's own CLI, each in its own session
-so that stopping one kills every process it started (engines, DP coordinator)."""
+"""Whole processes for tests: the gateway CLI and vLLM's own CLI, each in its own process
+group so that stopping one kills every process it started (engines, DP coordinator).
+
+A process group, not a session: Linux schedules each session as one autogroup, and on the
+2-core box an engine's two busy threads in a session of their own starved the test's
+client (a different session) for seconds at a time, long past its heartbeat timeout."""
 
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Process:
-    """A command in its own session, its output in ``log_path``; ``stop`` kills them all."""
+    """A command in its own process group, its output in ``log_path``; ``stop`` kills them
+    all."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict | None = None):
+        self.argv = argv
         self.log = open(log_path, "w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             argv,
@@ -28,7 +34,7 @@ class Process:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            start_new_session=True,
+            process_group=0,
         )
 
     def descendants(self) -> list[psutil.Process]:
@@ -59,6 +65,9 @@ class Process:
         for pid in orphans:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        # Shown by pytest only when the test failed (captured teardown output).
+        print(f"--- output of {' '.join(self.argv[1:5])} (last 6000 chars) ---")
+        print(self.output()[-6000:])
         self.log.close()
 
 

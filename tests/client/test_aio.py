@@ -203,6 +203,28 @@ async def test_after_the_gateway_forgets_the_session_the_client_says_hello_again
         assert done.output_tokens == 2 and client.sessions_opened == 2
 
 
+async def test_a_pause_of_the_whole_process_ends_no_session():
+    """Gateway and client share this process (as they share a machine that the host pauses
+    or CPU-throttles): a pause longer than the heartbeat timeout is neither side's silence."""
+    engine = FakeEngine(step_interval_s=0.002)
+    async with (
+        running_gateway(engine) as gw,
+        AsyncClient(gw.addresses[0], heartbeat_interval_s=0.1) as client,
+    ):
+        timeout = client.hello_ack.heartbeat_timeout_s
+        stream = client.generate([5], LONG, request_id="through")
+        tokens = list((await anext(stream)).new_token_ids)
+        time.sleep(timeout + 1.0)  # the whole process (gateway and client) stops running
+        async with asyncio.timeout(10):
+            while len(tokens) < 200:
+                tokens.extend((await anext(stream)).new_token_ids)
+        await asyncio.sleep(3 * timeout)  # and heartbeats carry on as before
+        assert client.connected and client.sessions_opened == 1
+        assert gw.table.stats.clients_expired == 0 and gw.table.stats.pauses_forgiven >= 1
+        assert tokens[:200] == [(5 + k) % 512 for k in range(200)]
+        await stream.aclose()
+
+
 def test_the_blocking_client_times_out_and_aborts_the_request():
     thread_loop = asyncio.new_event_loop()
     engine = FakeEngine(step_interval_s=0.2)

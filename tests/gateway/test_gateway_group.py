@@ -28,33 +28,17 @@ def gateway_pids(log: str) -> dict[int, int]:
 
 
 async def started(pool: GatewayPool, prompt: list[int]):
-    """A long stream past its first output; SessionLost is retryable (PROTOCOL.md §4.6),
-    and under the full suite gateway 0 once answered the first request after the failover
-    with HANDSHAKE_REQUIRED: retried once, as a client should."""
-    for attempt in range(2):
-        stream = pool.generate(prompt, LONG)
-        try:
-            await anext(stream)
-            return stream
-        except SessionLost:
-            if attempt:
-                raise
-    raise AssertionError("unreachable")
-
-
-async def completed(pool: GatewayPool, prompt: list[int]):
-    """A greedy completion, retried once on the retryable SessionLost (see ``started``)."""
-    try:
-        return await pool.complete(prompt, GREEDY)
-    except SessionLost:
-        return await pool.complete(prompt, GREEDY)
+    """A long stream past its first output."""
+    stream = pool.generate(prompt, LONG)
+    await anext(stream)
+    return stream
 
 
 async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_process):
     supervisor = gateway_process("--gateway-count", "2", "--max-model-len", "2048")
     base = supervisor.address.removesuffix(".sock")
     addresses = [f"{base}-0.sock", f"{base}-1.sock"]
-    # A patient heartbeat: on a starved box a short one expires the live sessions too.
+    # A patient heartbeat: a starved box is slow to answer (its pauses are forgiven).
     async with GatewayPool(
         addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=10
     ) as pool:
@@ -77,10 +61,10 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         lost = [s for s in streams if s.gateway == addresses[1]]
         for error in await asyncio.gather(*(stream_outcome(s) for s in lost)):
             assert isinstance(error, SessionLost) and error.retryable
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):
             while pool.connected != [addresses[0]]:
                 await asyncio.sleep(0.05)
-        retried = await completed(pool, [7, 8, 9])
+        retried = await pool.complete([7, 8, 9], GREEDY)
         assert retried.token_ids == results[0].token_ids
         assert supervisor.proc.poll() is None  # the other gateway keeps serving
         # Then the engine dies: the supervisor tells gateway 0, whose live requests end

@@ -272,6 +272,32 @@ def test_silent_clients_expire_and_their_requests_are_aborted():
     assert h.take(A)[0].code is ErrorCode.HANDSHAKE_REQUIRED
 
 
+def test_time_the_gateway_itself_did_not_run_is_not_held_against_its_clients():
+    h = TableHarness()
+    hello(h, A, interval=1.0)  # timeout 3 s
+    hello(h, B, interval=1.0)
+    h.send(A, Generate("r1", [5]))
+    h.now = 2.0
+    h.send(B, Ping(1))
+    # The process was paused from 2.5 to 7.5: neither client could be heard meanwhile.
+    h.now = 7.6
+    h.table.forgive(5.0, h.now)
+    assert h.apply(h.table.expire(h.now)).abort == []
+    assert h.table.connected_clients == 2 and h.table.live_requests == 1
+    assert h.table.stats.pauses_forgiven == 1
+    # Silence after the pause counts again: A last heard at 0 (+5 forgiven), B at 2 (+5).
+    h.now = 8.1
+    effects = h.apply(h.table.expire(h.now))
+    assert len(effects.abort) == 1 and h.table.connected_clients == 1
+    h.send(A, Generate("r2", [5]))
+    assert h.take(A)[-1].code is ErrorCode.HANDSHAKE_REQUIRED
+    # Forgiving never moves a client's clock past now.
+    h.table.forgive(100.0, h.now)
+    h.now = 11.2
+    h.apply(h.table.expire(h.now))
+    assert h.table.connected_clients == 0
+
+
 def test_second_hello_ends_the_old_session_before_its_ack():
     h = TableHarness()
     hello(h, A)
