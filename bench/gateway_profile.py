@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-profile", action="store_true", help="measure only (no profiler cost)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_profile")
     args = p.parse_args(argv)
-    result = asyncio.run(run(args))
+    import uvloop
+
+    result = uvloop.run(run(args))  # the loop `engine-gateway serve` runs on
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0

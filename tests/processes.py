@@ -65,6 +65,8 @@ class Process:
         for pid in orphans:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if self.log.closed:  # stopped before
+            return
         # Shown by pytest only when the test failed (captured teardown output).
         print(f"--- output of {' '.join(self.argv[1:5])} (last 6000 chars) ---")
         print(self.output()[-6000:])
