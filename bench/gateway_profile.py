@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -27,7 +32,7 @@ from .targets import ROOT, ZERO_EXECUTOR
 
 async def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from gateway.server import Gateway
+    from gateway.server import Gateway, freeze_startup_heap
     from gateway.sessions import GatewayLimits
     from gateway.tiny_model import ensure_tiny_model
     from gateway.vllm_engine import VllmEngine, default_engine_args
@@ -42,7 +47,14 @@ async def run(args: argparse.Namespace) -> dict:
     engine = await VllmEngine.start(engine_args)
     address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/profile.sock"
     limits = GatewayLimits(max_in_flight_per_client=100_000, max_in_flight_total=100_000)
+    # Before serve(): its loops bind some of the timed methods once, at start.
+    components: dict[str, float] = {}
+    restore = time_components(components) if args.components else (lambda: None)
     gateway = Gateway(engine, address, limits)
+    if not args.no_freeze:
+        freeze_startup_heap()  # as `engine-gateway serve` does
+    gc_counts: dict[int, list[float]] = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+    gc.callbacks.append(gc_timer(gc_counts))
     serving = asyncio.ensure_future(gateway.serve())
     await gateway.ready.wait()
 
@@ -70,21 +82,49 @@ async def run(args: argparse.Namespace) -> dict:
         # Warm-up, not profiled.
         await asyncio.to_thread(subprocess.run, load(64, 64), cwd=ROOT, capture_output=True)
         profiler = None
-        if not args.no_profile:
+        if args.no_profile:
+            pass
+        elif args.profiler == "py-spy":
+            # On-CPU samples only: a wall-clock sampler also counts the time this process
+            # sat descheduled (2 cores shared with the engine and the load).
+            collapsed = args.out.with_suffix(".collapsed")
+            profiler = subprocess.Popen(
+                [
+                    *(Path(sys.executable).parent / "py-spy", "record"),
+                    *("--pid", str(os.getpid()), "--rate", "1000", "--nonblocking"),
+                    *("--format", "raw", "--output", str(collapsed)),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            await asyncio.sleep(1.0)  # attached
+        else:
             from pyinstrument import Profiler
 
             profiler = Profiler(interval=0.0005, async_mode="disabled")
             profiler.start()
+        components.clear()  # the warm-up's
+        for counts in gc_counts.values():
+            counts[:] = [0, 0.0]
+        threads0 = thread_cpu_seconds()
         cpu0, t0 = sum(me.cpu_times()[:2]), time.monotonic()
         tokens0 = gateway.table.stats.output_tokens
+        steps0, step_s0 = gateway.step_histogram.count, gateway.step_histogram.total
         measured = load(args.concurrency, args.num_prompts)
         done = await asyncio.to_thread(
             subprocess.run, measured, cwd=ROOT, capture_output=True, text=True
         )
         wall = time.monotonic() - t0
         cpu = sum(me.cpu_times()[:2]) - cpu0
+        threads1 = thread_cpu_seconds()
         tokens = gateway.table.stats.output_tokens - tokens0
-        if profiler is not None:
+        steps = gateway.step_histogram.count - steps0
+        step_s = gateway.step_histogram.total - step_s0
+        if isinstance(profiler, subprocess.Popen):
+            profiler.send_signal(signal.SIGINT)
+            await asyncio.to_thread(profiler.wait, 60)
+            args.out.with_suffix(".txt").write_text(summarize_collapsed(collapsed))
+        elif profiler is not None:
             profiler.stop()
             args.out.with_suffix(".txt").write_text(
                 profiler.output_text(unicode=False, color=False, show_all=False)
@@ -95,6 +135,7 @@ async def run(args: argparse.Namespace) -> dict:
         gateway.stop()
         await asyncio.gather(serving, return_exceptions=True)
         await engine.aclose()
+        restore()
     return {
         "concurrency": args.concurrency,
         "num_prompts": args.num_prompts,
@@ -106,7 +147,118 @@ async def run(args: argparse.Namespace) -> dict:
         "output_tok_s": tokens / wall,
         "gateway_process_cpu_us_per_token": cpu / tokens * 1e6,
         "gateway_process_cores": cpu / wall,
+        "engine_steps": steps,
+        "outputs_per_step": tokens / steps,
+        "gateway_process_cpu_us_per_step": cpu / steps * 1e6,
+        # Wall time in the output loop per step: table, encode, sends (not the receive).
+        "step_handling_us": step_s / steps * 1e6,
+        "heap_frozen": not args.no_freeze,
+        # Garbage collections during the measured run: generation -> [count, seconds].
+        "gc_collections": {str(g): [n, round(t, 4)] for g, (n, t) in gc_counts.items()},
+        # CPU time of the event loop's thread in these calls, per output token.
+        "cpu_us_per_token_in": {
+            name: round(seconds / tokens * 1e6, 2) for name, seconds in components.items()
+        },
+        "cpu_us_per_token_by_thread": {
+            name: round((threads1.get(name, 0.0) - threads0.get(name, 0.0)) / tokens * 1e6, 2)
+            for name in sorted(threads1)
+        },
     }
+
+
+def gc_timer(collections: dict[int, list[float]]) -> Callable[[str, dict], None]:
+    """A gc.callbacks hook adding each collection's count and seconds to ``collections``."""
+    started = [0.0]
+
+    def hook(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            counts = collections[info["generation"]]
+            counts[0] += 1
+            counts[1] += time.perf_counter() - started[0]
+
+    return hook
+
+
+def time_components(totals: dict[str, float]) -> Callable[[], None]:
+    """Add the thread CPU time spent in the gateway's main per-step and per-request calls
+    to ``totals`` (one clock read per call, not per token); returns the undo."""
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    from gateway.server import Gateway
+    from gateway.sessions import SessionTable
+    from gateway.vllm_engine import VllmEngine
+
+    timed = {
+        "table.on_step (per step)": (SessionTable, "on_step"),
+        "encode + zmq send to the client (per step)": (Gateway, "_send"),
+        "vLLM EngineCoreOutputs decode (per step)": (MsgpackDecoder, "decode"),
+        "table.on_message (per request, incl. prepare)": (SessionTable, "on_message"),
+        "vLLM InputProcessor (prepare, per request)": (VllmEngine, "prepare"),
+    }
+    originals = []
+    for name, (owner, attribute) in timed.items():
+        original = getattr(owner, attribute)
+        originals.append((owner, attribute, original))
+
+        def timed_call(*args, _original=original, _name=name, **kwargs):  # noqa: ANN002, ANN003
+            start = time.thread_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_name] = totals.get(_name, 0.0) + time.thread_time() - start
+
+        setattr(owner, attribute, timed_call)
+
+    def restore() -> None:
+        for owner, attribute, original in originals:
+            setattr(owner, attribute, original)
+
+    return restore
+
+
+def summarize_collapsed(path: Path, top: int = 35) -> str:
+    """py-spy's collapsed stacks as two tables: share of on-CPU samples spent in each
+    function itself, and in each function including what it called."""
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        n = int(count)
+        total += n
+        own[frames[-1]] += n
+        for frame in set(frames):
+            inclusive[frame] += n
+    lines = [f"py-spy on-CPU samples: {total} (all threads)", "", "self %  function"]
+    lines += [f"{100 * n / total:6.2f}  {frame}" for frame, n in own.most_common(top)]
+    lines += ["", "total %  function (with callees)"]
+    lines += [f"{100 * n / total:6.2f}  {frame}" for frame, n in inclusive.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """This process's CPU seconds by thread kind: the event loop's thread ("main"), zmq's
+    I/O threads ("ZMQbg/IO"), and the rest by their names (torch, vLLM helpers); and for
+    each, "NAME (system)": the part spent in the kernel (syscalls, wake-ups)."""
+    totals: dict[str, float] = {}
+    main_tid = threading.get_native_id()
+    for thread in psutil.Process().threads():
+        if thread.id == main_tid:
+            name = "main"
+        else:
+            try:
+                name = Path(f"/proc/self/task/{thread.id}/comm").read_text().strip()
+            except OSError:
+                continue
+            name = name.rstrip("0123456789").rstrip("/") or "other"
+        totals[name] = totals.get(name, 0.0) + thread.user_time + thread.system_time
+        totals[name + " (system)"] = totals.get(name + " (system)", 0.0) + thread.system_time
+    return totals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +268,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--no-profile", action="store_true", help="measure only (no profiler cost)")
+    p.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the start-up heap to the garbage collector (serve freezes it)",
+    )
+    p.add_argument(
+        "--components",
+        action="store_true",
+        help="also time the main calls with the thread CPU clock (a syscall per read on a"
+        " VM: adds ~0.5 µs per token; leave off for profiles)",
+    )
+    p.add_argument(
+        "--profiler",
+        choices=["pyinstrument", "py-spy"],
+        default="pyinstrument",
+        help="pyinstrument: a wall-clock call tree; py-spy: on-CPU samples per function",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_profile")
     args = p.parse_args(argv)
     import uvloop

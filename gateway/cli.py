@@ -337,7 +337,7 @@ async def _serve(
 ) -> int:
     """Serve until drained or the engine died. ``client_config``: this process is one of
     several gateways on an engine group its supervisor started (gateway/group.py)."""
-    from .server import BindError, Gateway, Listener
+    from .server import BindError, Gateway, Listener, freeze_startup_heap
     from .vllm_engine import VllmEngine
 
     limits = _limits(args)
@@ -389,6 +389,7 @@ async def _serve(
             from .metrics import GatewayCollector
 
             registry.register(GatewayCollector(gateway))
+        freeze_startup_heap()
         loop = asyncio.get_running_loop()
         interrupts = 0
 

@@ -616,19 +616,43 @@ class SessionTable:
         effects = Effects()
         per_client: dict[bytes, list[RequestOutput]] = {}
         by_engine_id = self._by_engine_id
+        plain_tokens = 0
         for out in outputs:
             entry = by_engine_id.get(out.request_id)
             if entry is None:  # aborted or timed out already: its terminal was sent
                 self.stats.late_outputs += 1
                 continue
             request, sample = entry
-            reply = self._on_sample_output(request, sample, out, now, effects.abort, weight_version)
+            new_token_ids = out.new_token_ids
+            if (
+                # The common case, inline (it is most of the gateway's work per token):
+                # streamed tokens mid-sample, nothing else to note or to hold back.
+                new_token_ids
+                and out.finish_reason is None
+                and request.stream
+                and sample.matcher is None
+                and sample.first_token_at is not None
+                and (weight_version is None or weight_version == sample.version)
+                and out.new_logprobs is None
+                and out.new_prompt_logprobs_tensors is None
+                and out.prefill_stats is None
+                and not out.events
+            ):
+                request.last_output_at = now
+                sample.output_tokens += len(new_token_ids)
+                plain_tokens += len(new_token_ids)
+                reply = RequestOutput(request.request_id, new_token_ids, index=sample.index)
+            else:
+                reply = self._on_sample_output(
+                    request, sample, out, now, effects.abort, weight_version
+                )
             if reply is not None:
                 bucket = per_client.get(request.client_id)
                 if bucket is None:
                     per_client[request.client_id] = [reply]
                 else:
                     bucket.append(reply)
+        self.stats.output_tokens += plain_tokens
         effects.replies = [(client_id, Outputs(batch)) for client_id, batch in per_client.items()]
         return effects
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -255,3 +258,20 @@ async def test_raw_client_sees_one_terminal_per_request_under_mixed_aborts():
             assert not isinstance(msg, Outputs) or msg.outputs
         finally:
             sock.close()
+
+
+def test_freezing_the_startup_heap_leaves_the_collector_only_what_serving_allocates():
+    # In a child process: freezing is process-wide.
+    code = (
+        "import gc, json\n"
+        "from gateway.server import freeze_startup_heap\n"
+        "before = len(gc.get_objects())\n"
+        "freeze_startup_heap()\n"
+        "print(json.dumps([before, gc.get_freeze_count(), len(gc.get_objects())]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, frozen, tracked = json.loads(done.stdout)
+    assert before > 10_000  # the gateway's imports
+    assert frozen >= before * 0.9 and tracked < 1_000
