@@ -1,0 +1,41 @@
+"""The profiling tools' own logic: py-spy summaries, GC timing, the send-cost probe."""
+
+from __future__ import annotations
+
+import gc
+
+from bench.gateway_profile import gc_timer, summarize_collapsed
+from bench.send_cost import measure
+
+
+def test_collapsed_stacks_are_summarized_by_own_and_inclusive_share(tmp_path):
+    path = tmp_path / "p.collapsed"
+    path.write_text(
+        "main (m.py:1);loop (l.py:2);decode (d.py:3) 3\nmain (m.py:1);loop (l.py:2) 1\n"
+    )
+    text = summarize_collapsed(path)
+    own, inclusive = text.split("total %")
+    assert "samples: 4" in own
+    assert " 75.00  decode (d.py:3)" in own and " 25.00  loop (l.py:2)" in own
+    assert "main (m.py:1)" not in own  # never a leaf
+    assert "100.00  main (m.py:1)" in inclusive and "100.00  loop (l.py:2)" in inclusive
+
+
+def test_gc_timer_counts_collections_by_generation():
+    counts = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+    hook = gc_timer(counts)
+    gc.callbacks.append(hook)
+    try:
+        gc.collect(1)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(hook)
+    assert counts[0][0] == 0 and counts[1][0] == 1 and counts[2][0] == 1
+    assert counts[2][1] > 0.0
+
+
+def test_send_cost_reports_the_sender_and_io_thread_cpu_per_send():
+    result = measure(frames=200, size=100, interval=0.0)
+    assert result["interval_s"] == 0.0
+    assert result["sender_thread_us_per_send"] > 0.0
+    assert result["zmq_io_threads_us_per_send"] >= 0.0
