@@ -42,7 +42,7 @@ async def run(args: argparse.Namespace) -> dict:
         enforce_eager=True,
         gpu_memory_utilization=0.2,
         max_model_len=2048,
-        distributed_executor_backend=ZERO_EXECUTOR,
+        **({"distributed_executor_backend": ZERO_EXECUTOR} if args.executor == "zero" else {}),
     )
     engine = await VllmEngine.start(engine_args)
     address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/profile.sock"
@@ -106,7 +106,7 @@ async def run(args: argparse.Namespace) -> dict:
         components.clear()  # the warm-up's
         for counts in gc_counts.values():
             counts[:] = [0, 0.0]
-        threads0 = thread_cpu_seconds()
+        threads0, sleeps0 = thread_cpu_seconds(), thread_sleeps()
         cpu0, t0 = sum(me.cpu_times()[:2]), time.monotonic()
         tokens0 = gateway.table.stats.output_tokens
         steps0, step_s0 = gateway.step_histogram.count, gateway.step_histogram.total
@@ -116,7 +116,7 @@ async def run(args: argparse.Namespace) -> dict:
         )
         wall = time.monotonic() - t0
         cpu = sum(me.cpu_times()[:2]) - cpu0
-        threads1 = thread_cpu_seconds()
+        threads1, sleeps1 = thread_cpu_seconds(), thread_sleeps()
         tokens = gateway.table.stats.output_tokens - tokens0
         steps = gateway.step_histogram.count - steps0
         step_s = gateway.step_histogram.total - step_s0
@@ -137,6 +137,7 @@ async def run(args: argparse.Namespace) -> dict:
         await engine.aclose()
         restore()
     return {
+        "executor": args.executor,
         "concurrency": args.concurrency,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
@@ -158,6 +159,11 @@ async def run(args: argparse.Namespace) -> dict:
         # CPU time of the event loop's thread in these calls, per output token.
         "cpu_us_per_token_in": {
             name: round(seconds / tokens * 1e6, 2) for name, seconds in components.items()
+        },
+        # Sleeps (voluntary context switches), each a wake-up, per engine step.
+        "sleeps_per_step_by_thread": {
+            name: round((sleeps1.get(name, 0) - sleeps0.get(name, 0)) / steps, 2)
+            for name in sorted(sleeps1)
         },
         "cpu_us_per_token_by_thread": {
             name: round((threads1.get(name, 0.0) - threads0.get(name, 0.0)) / tokens * 1e6, 2)
@@ -261,6 +267,27 @@ def thread_cpu_seconds() -> dict[str, float]:
     return totals
 
 
+def thread_sleeps() -> dict[str, int]:
+    """Voluntary context switches of this process's threads, summed by thread name.
+
+    Each is one sleep (a blocking wait) and so one wake-up to come: on a VM a wake-up
+    of a sleeping thread is among the dearest things a frontend does.
+    """
+    totals: dict[str, int] = {}
+    main_tid = threading.get_native_id()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+            name = "main" if int(task.name) == main_tid else (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        name = name.rstrip("0123456789").rstrip("/") or "other"
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                totals[name] = totals.get(name, 0) + int(line.split()[1])
+    return totals
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gateway_profile", description=__doc__)
     p.add_argument("--concurrency", type=int, default=256)
@@ -268,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--no-profile", action="store_true", help="measure only (no profiler cost)")
+    p.add_argument(
+        "--executor",
+        choices=("zero", "real"),
+        default="zero",
+        help="zero: vLLM's EngineCore with no forward pass (the frontend's ceiling);"
+        " real: the tiny model's forward pass on the CPU",
+    )
     p.add_argument(
         "--no-freeze",
         action="store_true",

@@ -79,3 +79,22 @@ async def test_the_defaults_change_the_output(defaults_gateway):
             for s in range(4)
         ]
     assert len({tuple(t) for t in sampled}) > 1
+
+
+async def test_every_sample_of_n_stops_at_every_eos_id_of_the_model(defaults_gateway):
+    """generation_config's eos_token_id [2, 3] stops each of n samples, as for n=1.
+
+    vLLM's InputProcessor adds the model's EOS ids to the request's stop ids; each of
+    the n samples must be made from those processed params (vLLM's ParentRequest
+    copies them), not from the params before processing. allowed_token_ids=[3] makes
+    the first token an EOS id.
+    """
+    async with AsyncClient(defaults_gateway.addresses[0]) as client:
+        for n in (1, 3):
+            sampling = SamplingParams(seed=5, n=n, max_tokens=6, allowed_token_ids=[3])
+            samples = await client.complete_samples([5, 6, 7], sampling)
+            assert len(samples) == n
+            for sample in samples:
+                assert sample.token_ids == [3], (n, sample)
+                assert sample.finish_reason is FinishReason.STOP
+                assert sample.stop_reason == 3
