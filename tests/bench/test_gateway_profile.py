@@ -39,3 +39,33 @@ def test_send_cost_reports_the_sender_and_io_thread_cpu_per_send():
     assert result["interval_s"] == 0.0
     assert result["sender_thread_us_per_send"] > 0.0
     assert result["zmq_io_threads_us_per_send"] >= 0.0
+
+
+def test_thread_sleeps_count_this_threads_waits():
+    import time
+
+    from bench.gateway_profile import thread_sleeps
+
+    before = thread_sleeps()["main"]
+    for _ in range(5):
+        time.sleep(0.001)
+    assert thread_sleeps()["main"] - before >= 5
+
+
+def test_a_lean_struct_reads_vllms_engine_step_frame_and_the_savings_are_measured():
+    import msgspec
+
+    from bench.engine_decode import LeanOutputs, engine_step_frames, measure
+
+    frames = engine_step_frames(3)
+    assert len(frames) == 1  # no out-of-band tensors in a plain token step
+    step = msgspec.msgpack.decode(frames[0], type=LeanOutputs)
+    assert [(o.request_id, o.new_token_ids) for o in step.outputs] == [
+        ("g0.0-00000000", [1000]),
+        ("g0.1-00000001", [1001]),
+        ("g0.2-00000002", [1002]),
+    ]
+    result = measure(8)
+    assert result["vllm_decode_us_per_step"] > 0 and result["lean_decode_us_per_step"] > 0
+    per_step = result["vllm_decode_us_per_step"] - result["lean_decode_us_per_step"]
+    assert abs(result["decode_saving_us_per_output"] * 8 - per_step) < 0.2  # per output
