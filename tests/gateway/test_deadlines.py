@@ -54,7 +54,9 @@ async def test_deadline_ends_running_samples_with_their_tokens(small_gateway):
         samples = await collect(
             client,
             [8, 9],
-            SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=LONG.max_tokens),
+            SamplingParams(
+                n=2, temperature=1.0, seed=3, max_tokens=LONG.max_tokens, ignore_eos=True
+            ),
             request_id="dl-n",
             options=RequestOptions(deadline_s=0.4),
         )

@@ -59,6 +59,12 @@ CASES = [
 SAMPLE_CASES = [
     ("n3-seeded", [3, 4, 5], dict(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)),
     ("n2-seeded-logprobs", [9, 8], dict(n=2, temperature=0.8, seed=3, max_tokens=6, logprobs=2)),
+    # The model's EOS ids (2, 3) are half of what may be sampled: samples end at them.
+    (
+        "n3-eos-reachable",
+        [3, 4, 5],
+        dict(n=3, temperature=1.0, seed=4, max_tokens=12, allowed_token_ids=[2, 3, 7, 9]),
+    ),
 ]
 
 
