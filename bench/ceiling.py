@@ -69,7 +69,8 @@ async def _throughput(streams: int, seconds: float, profile: Path | None) -> dic
     }
 
 
-async def _frame_latency(frames: int) -> dict:
+async def _frame_latency(frames: int, raw: bool = False) -> dict:
+    """Engine step -> consumer per frame; ``raw``: a bare protocol client, not AsyncClient."""
     workdir = Path(tempfile.mkdtemp(prefix="eg-"))
     address = f"ipc://{workdir}/latency.sock"
     times_path = workdir / "steps.txt"
@@ -87,12 +88,10 @@ async def _frame_latency(frames: int) -> dict:
         ],
         "fake-latency.log",
     )
-    received: list[float] = []
+    sampling = SamplingParams(max_tokens=frames, ignore_eos=True)
     try:
-        async with AsyncClient(address, name="latency", connect_timeout_s=60) as client:
-            sampling = SamplingParams(max_tokens=frames, ignore_eos=True)
-            async for _ in client.generate([10], sampling):
-                received.append(time.monotonic())
+        receive = _receive_raw if raw else _receive_with_client
+        received = await receive(address, sampling)
     finally:
         server.stop()
     steps = [float(x) for x in times_path.read_text().split()]
@@ -103,6 +102,43 @@ async def _frame_latency(frames: int) -> dict:
         "added_us_p90": percentile(added, 0.9),
         "added_us_p99": percentile(added, 0.99),
     }
+
+
+async def _receive_with_client(address: str, sampling: SamplingParams) -> list[float]:
+    received: list[float] = []
+    async with AsyncClient(address, name="latency", connect_timeout_s=60) as client:
+        async for _ in client.generate([10], sampling):
+            received.append(time.monotonic())
+    return received
+
+
+async def _receive_raw(address: str, sampling: SamplingParams) -> list[float]:
+    """One request over a plain zmq.asyncio DEALER and the codec: no client library."""
+    import zmq
+    import zmq.asyncio
+
+    from codec import PROTOCOL_VERSION, Generate, Hello, HelloAck, Outputs, decode_server, encode
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    received: list[float] = []
+    try:
+        sock.connect(address)
+        async with asyncio.timeout(120):
+            await sock.send_multipart(encode(Hello(PROTOCOL_VERSION, "latency-raw", 30.0)))
+            while not isinstance(decode_server(await sock.recv_multipart()), HelloAck):
+                pass
+            await sock.send_multipart(encode(Generate("raw", [10], True, sampling)))
+            while True:
+                msg = decode_server(await sock.recv_multipart())
+                if type(msg) is Outputs:
+                    received.append(time.monotonic())
+                    if any(out.finished is not None for out in msg.outputs):
+                        return received
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 async def _transport_baseline(frames: int) -> dict:
@@ -210,16 +246,71 @@ async def measure_ceiling(quick: bool = True) -> dict:
         await _throughput(256, 2.0, profile)
     frames = 500 if quick else 3000
     lat = await _frame_latency(frames)
+    lat["raw_client"] = await _frame_latency(frames, raw=True)
     lat["transport_baseline"] = await _transport_baseline(frames)
     lat["processing"] = _processing_time()
     result["latency"] = lat
     print(
         f"  ceiling step->client per frame: p50 {lat['added_us_p50']:.0f} us, p99 "
         f"{lat['added_us_p99']:.0f} us; bare zmq one-way p50 "
-        f"{lat['transport_baseline']['one_way_us_p50']:.0f} us; gateway processing "
+        f"{lat['transport_baseline']['one_way_us_p50']:.0f} us; bare protocol client p50 "
+        f"{lat['raw_client']['added_us_p50']:.0f} us; gateway processing "
         f"{lat['processing']['us_per_frame']:.1f} us/frame",
         flush=True,
     )
     if has_profiler and profile.exists():
         result["profile"] = str(profile.relative_to(RESULTS.parent.parent))
     return result
+
+
+async def compare_step_latency(rounds: int, frames: int) -> dict:
+    """Engine step -> consumer through AsyncClient, through a bare protocol client, and a
+    bare pyzmq hop, in alternating rounds (this VM drifts between runs)."""
+    kinds = {"client_library": [], "bare_protocol_client": [], "bare_pyzmq_hop": []}
+    for r in range(rounds):
+        library = await _frame_latency(frames)
+        raw = await _frame_latency(frames, raw=True)
+        hop = await _transport_baseline(frames)
+        kinds["client_library"].append((library["added_us_p50"], library["added_us_p99"]))
+        kinds["bare_protocol_client"].append((raw["added_us_p50"], raw["added_us_p99"]))
+        kinds["bare_pyzmq_hop"].append((hop["one_way_us_p50"], hop["one_way_us_p99"]))
+        print(
+            f"  round {r + 1}/{rounds}: p50 AsyncClient {library['added_us_p50']:.0f} µs,"
+            f" bare client {raw['added_us_p50']:.0f} µs, bare hop {hop['one_way_us_p50']:.0f} µs",
+            flush=True,
+        )
+    result: dict = {"rounds": rounds, "frames_per_round": frames, "per_round": kinds}
+    for name, rows in kinds.items():
+        result[name] = {
+            "p50_us_median": percentile([p50 for p50, _ in rows], 0.5),
+            "p99_us_median": percentile([p99 for _, p99 in rows], 0.5),
+        }
+    # Over the same rounds: what the gateway adds to a bare hop, and the library to that.
+    pairs = zip(kinds["bare_protocol_client"], kinds["bare_pyzmq_hop"], strict=True)
+    result["gateway_over_hop_p50_us"] = percentile([a[0] - b[0] for a, b in pairs], 0.5)
+    pairs = zip(kinds["client_library"], kinds["bare_protocol_client"], strict=True)
+    result["library_over_bare_client_p50_us"] = percentile([a[0] - b[0] for a, b in pairs], 0.5)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(
+        prog="python -m bench.ceiling",
+        description="Engine step -> consumer latency per output frame (fake engine stepping "
+        "every 2 ms, one stream, ipc): AsyncClient, a bare protocol client, a bare pyzmq hop.",
+    )
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--frames", type=int, default=1000)
+    p.add_argument("--out", type=Path, default=RESULTS / "step_latency.json")
+    args = p.parse_args(argv)
+    result = asyncio.run(compare_step_latency(args.rounds, args.frames))
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "per_round"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

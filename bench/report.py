@@ -103,6 +103,7 @@ def write_report(results: dict, stem: Path) -> str:
         if lat:
             base = lat.get("transport_baseline") or {}
             proc = lat.get("processing") or {}
+            raw = lat.get("raw_client") or {}
             lines += [
                 "",
                 "Latency per output frame (fake engine stepping every 2 ms, one stream, ipc):",
@@ -111,6 +112,8 @@ def write_report(results: dict, stem: Path) -> str:
                 "|---|---|---|",
                 "| engine step → AsyncClient consumer (gateway + ZeroMQ + client library) | "
                 f"{_f(lat['added_us_p50'], '.0f')} | {_f(lat['added_us_p99'], '.0f')} |",
+                "| engine step → a bare protocol client (zmq.asyncio DEALER + codec, no library) | "
+                f"{_f(raw.get('added_us_p50'), '.0f')} | {_f(raw.get('added_us_p99'), '.0f')} |",
                 "| bare pyzmq ROUTER → DEALER one-way, same cadence (transport floor) | "
                 f"{_f(base.get('one_way_us_p50'), '.0f')} | "
                 f"{_f(base.get('one_way_us_p99'), '.0f')} |",
