@@ -81,6 +81,7 @@ logger = logging.getLogger("engine_gateway.client")
 _RECONNECT_BACKOFF_S = (0.05, 2.0)  # first and largest pause between Hellos
 _PAUSE_S = 0.25  # the keeper waking this late means this process itself did not run
 _KEPT_CONNECTION_ERRORS = 64
+_YIELD_EVERY = 32  # frames read back to back before the reader lets other tasks run
 _MAX_PENDING_OUTPUTS = 64  # per request; past it, a sample's new outputs merge into its last
 # Errors that mean the gateway no longer holds a session for this client.
 _SESSION_GONE = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SLOW_CONSUMER)
@@ -538,9 +539,11 @@ class AsyncClient(CompletionCalls):
     async def _reader(self) -> None:
         sock = self._sock
         assert sock is not None
+        received = 0
         while True:
             frames = await sock.recv_multipart()
             self._last_heard = time.monotonic()
+            received += 1
             try:
                 msg = decode_server(frames)
             except ProtocolError as exc:
@@ -552,11 +555,14 @@ class AsyncClient(CompletionCalls):
                 self._on_outputs(msg)
             else:
                 self._on_reply(msg)
-            # Let the consumers this frame woke run before re-arming the receive (pyzmq's
-            # next recv costs ~50-80 µs on a VM before any waiting consumer would run).
-            # It also keeps a steady stream from starving consumers and the heartbeat:
-            # awaiting an already-received frame does not yield.
-            await asyncio.sleep(0)
+            if received % _YIELD_EVERY == 0 or not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                # No frame waiting: let the consumers this one woke run before re-arming
+                # the receive (pyzmq's set-up costs ~50-80 µs on a VM, which they would
+                # wait for). Frames waiting: read on, so a busy stream wakes each consumer
+                # once per batch, not once per frame; every _YIELD_EVERY frames yield
+                # anyway, as awaiting an already-received frame does not, and a steady
+                # stream must not starve the consumers and the heartbeat.
+                await asyncio.sleep(0)
 
     def _on_outputs(self, msg: Outputs) -> None:
         streams = self._streams
