@@ -1,13 +1,15 @@
 """AsyncClient: many concurrent requests over one DEALER socket to a gateway.
 
-Rules: one reader task owns the socket's inbound side and routes each frame
-to the request or call waiting for it. A keeper task holds the session: it
-pings at the agreed interval, and when the gateway stays silent past the
-agreed timeout (or says it no longer knows this client) it fails everything
-in flight with the retryable SessionLost and says Hello again, with backoff,
-until a gateway answers. Calls made meanwhile wait for the new session up to
-``reconnect_timeout_s``. Leaving a ``generate`` loop early, cancelling the task
-that runs it, or dropping its stream sends an Abort for that request.
+Rules: the event loop watches the socket's file descriptor; its callback reads
+every frame waiting and routes each to the request or call waiting for it (no
+reader task: a frame reaches its consumer one loop pass after it arrives). A
+keeper task holds the session: it pings at the agreed interval, and when the
+gateway stays silent past the agreed timeout (or says it no longer knows this
+client) it fails everything in flight with the retryable SessionLost and says
+Hello again, with backoff, until a gateway answers. Calls made meanwhile wait
+for the new session up to ``reconnect_timeout_s``. Leaving a ``generate`` loop
+early, cancelling the task that runs it, or dropping its stream sends an Abort
+for that request.
 Depends on pyzmq and msgspec only.
 """
 
@@ -24,7 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from codec import (
     PROTOCOL_VERSION,
@@ -81,7 +82,7 @@ logger = logging.getLogger("engine_gateway.client")
 _RECONNECT_BACKOFF_S = (0.05, 2.0)  # first and largest pause between Hellos
 _PAUSE_S = 0.25  # the keeper waking this late means this process itself did not run
 _KEPT_CONNECTION_ERRORS = 64
-_YIELD_EVERY = 32  # frames read back to back before the reader lets other tasks run
+_READ_BATCH = 32  # frames read in one callback before the woken consumers get to run
 _MAX_PENDING_OUTPUTS = 64  # per request; past it, a sample's new outputs merge into its last
 # Errors that mean the gateway no longer holds a session for this client.
 _SESSION_GONE = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SLOW_CONSUMER)
@@ -238,7 +239,7 @@ class AsyncClient(CompletionCalls):
         identity: bytes | None = None,
         connect_timeout_s: float = 60.0,
         reconnect_timeout_s: float = 30.0,
-        context: zmq.asyncio.Context | None = None,
+        context: zmq.Context | None = None,
         curve_keys: tuple[bytes, bytes, bytes] | None = None,
     ):
         """``curve_keys``: (server public, client public, client secret) Z85 keys.
@@ -252,9 +253,11 @@ class AsyncClient(CompletionCalls):
         self._heartbeat_wanted = heartbeat_interval_s
         self._connect_timeout_s = connect_timeout_s
         self._reconnect_timeout_s = reconnect_timeout_s
-        self._ctx = context or zmq.asyncio.Context.instance()
+        self._ctx = context or zmq.Context.instance()
         self._curve_keys = curve_keys
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None
+        self._outbox: collections.deque[list[bytes]] = collections.deque()  # sends that waited
+        self._events_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
         self._abort_waiters: dict[int, asyncio.Future[AbortAck]] = {}
@@ -284,7 +287,9 @@ class AsyncClient(CompletionCalls):
 
     async def connect(self) -> HelloAck:
         """Open the socket and the first session (Hello, HelloAck)."""
-        sock = self._ctx.socket(zmq.DEALER)
+        # A plain socket: the loop watches its FD (_on_socket_events), not pyzmq's
+        # asyncio layer, whose Future per frame and reader task cost a loop pass each.
+        sock = zmq.Socket(self._ctx, zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve_keys is not None:
@@ -299,7 +304,7 @@ class AsyncClient(CompletionCalls):
         self._session = asyncio.Event()
         self._first_session = loop.create_future()
         self._last_heard = time.monotonic()
-        self._tasks.append(loop.create_task(self._reader(), name="gateway-client-reader"))
+        loop.add_reader(sock.FD, self._on_socket_events)
         self._send(Hello(PROTOCOL_VERSION, self.name, self._heartbeat_wanted))
         try:
             async with asyncio.timeout(self._connect_timeout_s):
@@ -329,6 +334,8 @@ class AsyncClient(CompletionCalls):
                 await task
         self._fail_all(GatewayUnavailable("client closed"))
         if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.FD)
             self._sock.close(linger=100)
 
     @property
@@ -533,36 +540,81 @@ class AsyncClient(CompletionCalls):
     # ------------------------------------------------------------ plumbing
 
     def _send(self, msg: Any) -> None:
-        assert self._sock is not None
-        self._sock.send_multipart([VERSION_FRAME, encode_payload(msg)])
-
-    async def _reader(self) -> None:
         sock = self._sock
         assert sock is not None
+        frames = [VERSION_FRAME, encode_payload(msg)]
+        if self._outbox:  # keep order behind the sends still waiting
+            self._outbox.append(frames)
+            return
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # the gateway is not reading (send high-water mark): keep it
+            self._outbox.append(frames)
+        except zmq.ZMQError as exc:  # socket closed: the session logic reports it
+            logger.debug("send to gateway failed: %s", exc)
+            return
+        # A send also consumes the FD's edge (ZeroMQ's FD is edge-triggered): look at the
+        # socket's events once more, soon, so a frame that arrived meanwhile is read.
+        self._schedule_socket_events()
+
+    def _schedule_socket_events(self) -> None:
+        if not self._events_scheduled and self._loop is not None:
+            self._events_scheduled = True
+            self._loop.call_soon(self._on_socket_events)
+
+    def _on_socket_events(self) -> None:
+        """The socket's FD fired (or a send may have hidden its edge): receive every
+        frame waiting, up to _READ_BATCH before letting the consumers run, and send
+        what waited for room."""
+        self._events_scheduled = False
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
         received = 0
-        while True:
-            frames = await sock.recv_multipart()
-            self._last_heard = time.monotonic()
-            received += 1
+        try:
+            while True:
+                events = sock.get(zmq.EVENTS)
+                if events & zmq.POLLOUT and self._outbox:
+                    self._flush_outbox(sock)
+                    self._schedule_socket_events()  # the sends may have hidden the edge
+                if not events & zmq.POLLIN:
+                    return
+                if received == _READ_BATCH:
+                    # More waiting: read on after the woken consumers (and the
+                    # heartbeat) ran, so a flood cannot starve them.
+                    self._schedule_socket_events()
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                received += 1
+                self._last_heard = time.monotonic()
+                try:
+                    self._on_frames(frames)
+                except Exception:  # a bug: keep reading, or the edge would be lost
+                    logger.exception("handling a frame from the gateway failed")
+        except zmq.ZMQError as exc:  # closed under us: aclose is under way
+            logger.debug("gateway socket: %s", exc)
+
+    def _flush_outbox(self, sock: zmq.Socket) -> None:
+        outbox = self._outbox
+        while outbox:
             try:
-                msg = decode_server(frames)
-            except ProtocolError as exc:
-                # A newer gateway's message this client does not know: ignore it.
-                level = logging.DEBUG if exc.code is ErrorCode.UNKNOWN_MESSAGE else logging.WARNING
-                logger.log(level, "unreadable frame from gateway: %s", exc)
-                continue
-            if type(msg) is Outputs:
-                self._on_outputs(msg)
-            else:
-                self._on_reply(msg)
-            if received % _YIELD_EVERY == 0 or not sock.get(zmq.EVENTS) & zmq.POLLIN:
-                # No frame waiting: let the consumers this one woke run before re-arming
-                # the receive (pyzmq's set-up costs ~50-80 µs on a VM, which they would
-                # wait for). Frames waiting: read on, so a busy stream wakes each consumer
-                # once per batch, not once per frame; every _YIELD_EVERY frames yield
-                # anyway, as awaiting an already-received frame does not, and a steady
-                # stream must not starve the consumers and the heartbeat.
-                await asyncio.sleep(0)
+                sock.send_multipart(outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            outbox.popleft()
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode_server(frames)
+        except ProtocolError as exc:
+            # A newer gateway's message this client does not know: ignore it.
+            level = logging.DEBUG if exc.code is ErrorCode.UNKNOWN_MESSAGE else logging.WARNING
+            logger.log(level, "unreadable frame from gateway: %s", exc)
+            return
+        if type(msg) is Outputs:
+            self._on_outputs(msg)
+        else:
+            self._on_reply(msg)
 
     def _on_outputs(self, msg: Outputs) -> None:
         streams = self._streams

@@ -136,6 +136,44 @@ async def test_connection_errors_are_bounded():
         assert client.connection_errors[-1].message == "e499"
 
 
+async def test_sends_a_gateway_does_not_read_wait_in_order_and_all_arrive():
+    """Past ZeroMQ's high-water marks the client keeps what it sends (a full pipe says
+    EAGAIN) and sends it, in order, once the gateway reads again."""
+    reading = asyncio.Event()
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVHWM, 8)
+    router.setsockopt(zmq.LINGER, 0)
+    address = ipc_address("stalled")
+    router.bind(address)
+    received: list[str] = []
+
+    async def serve() -> None:
+        identity, *frames = await router.recv_multipart()
+        assert isinstance(decode_client(frames), Hello)
+        ack = HelloAck(1, "g", ModelInfo("m", 64, 100, [2]), Limits(64, 8, 8, 1 << 20, 8, 5), 9, 30)
+        await router.send_multipart([identity, *encode(ack)])
+        await reading.wait()  # the gateway stops reading while the client sends
+        while len(received) < total:
+            _, *frames = await router.recv_multipart()
+            received.append(decode_client(frames).request_id)
+
+    total = 3000
+    server = asyncio.ensure_future(serve())
+    try:
+        async with AsyncClient(address) as client:
+            for i in range(total):
+                client._send(Generate(f"r{i}", list(range(1000))))
+            assert client._outbox  # the pipe filled: some sends had to wait
+            reading.set()
+            async with asyncio.timeout(20):
+                await server
+            assert received == [f"r{i}" for i in range(total)]
+            assert not client._outbox
+    finally:
+        server.cancel()
+        router.close(linger=0)
+
+
 async def test_an_abort_refused_with_an_error_does_not_shift_later_aborts():
     async with (
         running_gateway(FakeEngine(), GatewayLimits(max_abort_ids=2)) as gw,
