@@ -110,23 +110,31 @@ class Flooder:
             sampling = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
             serial = 0
             while not stop.is_set():
-                pending: set[str] = set()
-                # Malformed first: their refusals then come before the last Generate's answer.
-                for i in range(self.malformed_per_burst):
-                    await sock.send_multipart(_MALFORMED[i % len(_MALFORMED)])
-                for _ in range(burst):
-                    serial += 1
-                    rid = f"f{serial}"
-                    if self.invalid:
-                        prompt = [vocab] * self.prompt_len
-                    else:
-                        prompt = [self._rng.randrange(vocab) for _ in range(self.prompt_len)]
-                    await sock.send_multipart(encode(Generate(rid, prompt, False, sampling)))
-                    pending.add(rid)
-                self.stats.generates_sent += burst
-                self.stats.malformed_sent += self.malformed_per_burst
-                self.stats.bursts += 1
-                await self._drain(sock, pending, deadline=time.monotonic() + 30)
+                rids = [f"f{serial + i}" for i in range(1, burst + 1)]
+                serial += burst
+                # Replies are read while the burst goes out, as a real client reads: a
+                # burst's refusals outnumber the gateway's per-client send queue
+                # (client_send_hwm), and a client that reads none of them is a slow consumer.
+                pending = set(rids)
+                draining = asyncio.ensure_future(
+                    self._drain(sock, pending, deadline=time.monotonic() + 30)
+                )
+                try:
+                    # Malformed first: their refusals come before the last Generate's answer.
+                    for i in range(self.malformed_per_burst):
+                        await sock.send_multipart(_MALFORMED[i % len(_MALFORMED)])
+                    for rid in rids:
+                        if self.invalid:
+                            prompt = [vocab] * self.prompt_len
+                        else:
+                            prompt = [self._rng.randrange(vocab) for _ in range(self.prompt_len)]
+                        await sock.send_multipart(encode(Generate(rid, prompt, False, sampling)))
+                    self.stats.generates_sent += burst
+                    self.stats.malformed_sent += self.malformed_per_burst
+                    self.stats.bursts += 1
+                    await draining
+                finally:
+                    draining.cancel()
         finally:
             self.stats.seconds = time.monotonic() - started
             sock.close(0)
