@@ -123,7 +123,11 @@ class Flooder:
                     # Malformed first: their refusals come before the last Generate's answer.
                     for i in range(self.malformed_per_burst):
                         await sock.send_multipart(_MALFORMED[i % len(_MALFORMED)])
-                    for rid in rids:
+                    for k, rid in enumerate(rids):
+                        if k % 64 == 0:
+                            # A send that succeeds at once does not yield: let the
+                            # reader run.
+                            await asyncio.sleep(0)
                         if self.invalid:
                             prompt = [vocab] * self.prompt_len
                         else:

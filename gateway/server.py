@@ -170,10 +170,7 @@ class Gateway:
         self.exit_code = EXIT_OK
         self._ctx = context
         self._listener = listener
-        # The ROUTER, used without pyzmq's asyncio layer: the loop watches its FD.
-        self._sock: zmq.Socket | None = None
-        self._readable = asyncio.Event()  # a frame may be waiting: the receive loop looks
-        self._events_check_scheduled = False
+        self._sock: zmq.asyncio.Socket | None = None
         self._stop = asyncio.Event()
         self._drain_deadline: float | None = None
         self._exit_at: float | None = None  # engine died: refusals until then, then exit
@@ -213,14 +210,9 @@ class Gateway:
             self.binds, self.limits, context=self._ctx, curve=self._curve
         )
         self._listener = None  # closed below: a second serve() binds afresh
-        # A plain view of the listener's socket. pyzmq's asyncio layer costs a Future
-        # and a ZMQ_EVENTS read per send (a send at step cadence took 50 µs against 23
-        # µs plain on a VM); the loop watches the FD instead (_on_socket_events).
-        sock = zmq.Socket.shadow(listener.sock.underlying)
+        sock = listener.sock
         self._sock = sock
         self.addresses = listener.addresses
-        event_loop = asyncio.get_running_loop()
-        event_loop.add_reader(sock.FD, self._on_socket_events)
         try:
             self.ready.set()
             async with asyncio.TaskGroup() as tasks:
@@ -233,29 +225,12 @@ class Gateway:
                 for loop in loops:
                     loop.cancel()
         finally:
-            event_loop.remove_reader(sock.FD)
-            self._sock = None
             listener.close(linger=2000 if self.exit_code == EXIT_OK else 500)
         return self.exit_code
 
-    def _on_socket_events(self) -> None:
-        """The ROUTER's FD fired, or a send may have hidden its edge (ZeroMQ's FD is
-        edge-triggered: any send or receive can consume the signal of a new frame).
-        Reading ZMQ_EVENTS resets the FD; the receive loop then reads what waits."""
-        self._events_check_scheduled = False
-        sock = self._sock
-        if sock is not None and sock.get(zmq.EVENTS) & zmq.POLLIN:
-            self._readable.set()
-
-    def _after_send(self) -> None:
-        """One look at the socket's events after this loop pass's sends, not one per send."""
-        if not self._events_check_scheduled:
-            self._events_check_scheduled = True
-            asyncio.get_running_loop().call_soon(self._on_socket_events)
-
     # ------------------------------------------------------------ loops
 
-    async def _receive_loop(self, sock: zmq.Socket) -> None:
+    async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         table = self.table
         max_frame = self.limits.max_frame_bytes
         max_prompt = table.wire_limits.max_prompt_tokens
@@ -266,15 +241,8 @@ class Gateway:
         # With a control key allow-list, read frames with their CURVE User-Id.
         copy = not policy.needs_user_id
         user_id = None
-        readable = self._readable
         while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=copy)
-            except zmq.Again:  # nothing waiting: the FD callback wakes this loop
-                readable.clear()
-                await readable.wait()
-                held_since = clock()
-                continue
+            frames = await sock.recv_multipart(copy=copy)
             if not copy:
                 user_id = frames[-1].get("User-Id")
                 frames = [frame.bytes for frame in frames]
@@ -462,23 +430,12 @@ class Gateway:
     def _try_send(self, frames: list[bytes]) -> BaseException | None:
         """Send without blocking; returns the error instead of raising it."""
         sock = self._sock
-        if sock is None:
-            return zmq.ZMQError(errno.ENOTSOCK, "the gateway's socket is closed")
-        try:
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                # A pipe learns how much its reader took only when the socket processes
-                # its commands, which a send does at most once a millisecond: a burst
-                # can find it "full" when it is not. Reading ZMQ_EVENTS processes them.
-                sock.get(zmq.EVENTS)
-                sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            return exc
-        finally:
-            self._after_send()
-        self.frames_sent += 1
-        return None
+        assert sock is not None
+        future = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        exc = future.exception() if future.done() else None
+        if exc is None:
+            self.frames_sent += 1
+        return exc
 
     def _queue_reply(self, client_id: bytes, backlog: collections.deque, frames: list) -> None:
         """A frame for a slow consumer made after it blocked: a reply to what it sent since."""
