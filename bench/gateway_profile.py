@@ -106,7 +106,7 @@ async def run(args: argparse.Namespace) -> dict:
         components.clear()  # the warm-up's
         for counts in gc_counts.values():
             counts[:] = [0, 0.0]
-        threads0, sleeps0 = thread_cpu_seconds(), thread_sleeps()
+        threads0, sleeps0, sched0 = thread_cpu_seconds(), thread_sleeps(), thread_schedstat()
         cpu0, t0 = sum(me.cpu_times()[:2]), time.monotonic()
         tokens0 = gateway.table.stats.output_tokens
         steps0, step_s0 = gateway.step_histogram.count, gateway.step_histogram.total
@@ -116,7 +116,7 @@ async def run(args: argparse.Namespace) -> dict:
         )
         wall = time.monotonic() - t0
         cpu = sum(me.cpu_times()[:2]) - cpu0
-        threads1, sleeps1 = thread_cpu_seconds(), thread_sleeps()
+        threads1, sleeps1, sched1 = thread_cpu_seconds(), thread_sleeps(), thread_schedstat()
         tokens = gateway.table.stats.output_tokens - tokens0
         steps = gateway.step_histogram.count - steps0
         step_s = gateway.step_histogram.total - step_s0
@@ -168,6 +168,16 @@ async def run(args: argparse.Namespace) -> dict:
         "cpu_us_per_token_by_thread": {
             name: round((threads1.get(name, 0.0) - threads0.get(name, 0.0)) / tokens * 1e6, 2)
             for name in sorted(threads1)
+        },
+        # The scheduler's own clock (exact, where the columns above are sampled at the
+        # tick): per engine step, µs each thread ran and µs it sat runnable but not running
+        # (preempted, or woken and waiting for a core: on-CPU samplers count that time too).
+        "sched_us_per_step_by_thread": {
+            name: {
+                kind: round((sched1[name][i] - sched0.get(name, (0, 0))[i]) / steps * 1e6, 1)
+                for i, kind in enumerate(("running", "runnable"))
+            }
+            for name in sorted(sched1)
         },
     }
 
@@ -264,6 +274,23 @@ def thread_cpu_seconds() -> dict[str, float]:
             name = name.rstrip("0123456789").rstrip("/") or "other"
         totals[name] = totals.get(name, 0.0) + thread.user_time + thread.system_time
         totals[name + " (system)"] = totals.get(name + " (system)", 0.0) + thread.system_time
+    return totals
+
+
+def thread_schedstat() -> dict[str, tuple[float, float]]:
+    """Seconds each kind of thread of this process ran and sat runnable without running,
+    from the scheduler's own accounting (``/proc/self/task/*/schedstat``)."""
+    totals: dict[str, tuple[float, float]] = {}
+    main_tid = threading.get_native_id()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            running, waiting = (task / "schedstat").read_text().split()[:2]
+            name = "main" if int(task.name) == main_tid else (task / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        name = name.rstrip("0123456789").rstrip("/") or "other"
+        ran, waited = totals.get(name, (0.0, 0.0))
+        totals[name] = (ran + int(running) / 1e9, waited + int(waiting) / 1e9)
     return totals
 
 

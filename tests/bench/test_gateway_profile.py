@@ -52,6 +52,20 @@ def test_thread_sleeps_count_this_threads_waits():
     assert thread_sleeps()["main"] - before >= 5
 
 
+def test_thread_schedstat_counts_this_threads_running_time():
+    import time
+
+    from bench.gateway_profile import thread_schedstat
+
+    running0, runnable0 = thread_schedstat()["main"]
+    deadline = time.thread_time() + 0.05
+    while time.thread_time() < deadline:  # 50 ms on a core
+        pass
+    running1, runnable1 = thread_schedstat()["main"]
+    assert running1 - running0 >= 0.04
+    assert runnable1 >= runnable0
+
+
 def test_a_lean_struct_reads_vllms_engine_step_frame_and_the_savings_are_measured():
     import msgspec
 
