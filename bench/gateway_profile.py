@@ -98,6 +98,13 @@ async def run(args: argparse.Namespace) -> dict:
                 stderr=subprocess.PIPE,
             )
             await asyncio.sleep(1.0)  # attached
+        elif args.profiler == "cprofile":
+            # Every call of this thread timed with its CPU clock: exact call counts and
+            # CPU by function, each inflated by the clock reads (a syscall per event).
+            import cProfile
+
+            profiler = cProfile.Profile(time.thread_time)
+            profiler.enable()
         else:
             from pyinstrument import Profiler
 
@@ -124,6 +131,9 @@ async def run(args: argparse.Namespace) -> dict:
             profiler.send_signal(signal.SIGINT)
             await asyncio.to_thread(profiler.wait, 60)
             args.out.with_suffix(".txt").write_text(summarize_collapsed(collapsed))
+        elif args.profiler == "cprofile" and profiler is not None:
+            profiler.disable()
+            args.out.with_suffix(".txt").write_text(summarize_cprofile(profiler, steps))
         elif profiler is not None:
             profiler.stop()
             args.out.with_suffix(".txt").write_text(
@@ -257,6 +267,27 @@ def summarize_collapsed(path: Path, top: int = 35) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize_cprofile(profiler: object, steps: int, top: int = 40) -> str:
+    """A cProfile run on the thread CPU clock as calls and µs per engine step, by own
+    time and by time with callees."""
+    import io
+    import pstats
+
+    lines = [f"cProfile, thread CPU clock; per engine step ({steps} steps)"]
+    for key, title in (("tottime", "own"), ("cumulative", "with callees")):
+        stream = io.StringIO()
+        stats = pstats.Stats(profiler, stream=stream).sort_stats(key)
+        lines += ["", f"calls/step  own µs/step  cum µs/step  function (by {title})"]
+        for func in stats.fcn_list[:top]:
+            _, calls, own, cum, _ = stats.stats[func]
+            where = f"{Path(func[0]).name}:{func[1]}({func[2]})"
+            lines.append(
+                f"{calls / steps:10.2f}  {own / steps * 1e6:10.1f}  {cum / steps * 1e6:11.1f}"
+                f"  {where}"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def thread_cpu_seconds() -> dict[str, float]:
     """This process's CPU seconds by thread kind: the event loop's thread ("main"), zmq's
     I/O threads ("ZMQbg/IO"), and the rest by their names (torch, vLLM helpers); and for
@@ -342,9 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--profiler",
-        choices=["pyinstrument", "py-spy"],
+        choices=["pyinstrument", "py-spy", "cprofile"],
         default="pyinstrument",
-        help="pyinstrument: a wall-clock call tree; py-spy: on-CPU samples per function",
+        help="pyinstrument: a wall-clock call tree; py-spy: samples of running and runnable"
+        " threads (it counts time waiting for a core as CPU); cprofile: every call of the"
+        " event loop's thread on its CPU clock, per engine step (inflated by the clock reads)",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gateway_profile")
     args = p.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The profiling tools' own logic: py-spy summaries, GC timing, the send-cost probe."""
+"""The profiling tools' own logic: py-spy and cProfile summaries, GC timing, the send and
+receive cost probes."""
 
 from __future__ import annotations
 
@@ -83,3 +84,37 @@ def test_a_lean_struct_reads_vllms_engine_step_frame_and_the_savings_are_measure
     assert result["vllm_decode_us_per_step"] > 0 and result["lean_decode_us_per_step"] > 0
     per_step = result["vllm_decode_us_per_step"] - result["lean_decode_us_per_step"]
     assert abs(result["decode_saving_us_per_output"] * 8 - per_step) < 0.2  # per output
+
+
+def test_cprofile_summary_gives_calls_and_cpu_per_engine_step():
+    import cProfile
+    import time
+
+    from bench.gateway_profile import summarize_cprofile
+
+    def step() -> int:
+        return sum(range(2000))
+
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    for _ in range(10):
+        step()
+    profiler.disable()
+    text = summarize_cprofile(profiler, steps=5)
+    assert text.startswith("cProfile, thread CPU clock; per engine step (5 steps)")
+    rows = [line for line in text.splitlines() if line.endswith("(step)")]
+    assert len(rows) == 2  # in both tables
+    calls, own, cumulative = (float(x) for x in rows[0].split()[:3])
+    assert calls == 2.0  # 10 calls over 5 steps
+    assert cumulative >= own > 0.0
+
+
+def test_recv_cost_receives_every_frame_both_ways_and_reports_cpu_per_frame():
+    import asyncio
+
+    from bench.recv_cost import compare
+
+    result = asyncio.run(asyncio.wait_for(compare(50, 100, 0.001, rounds=1), 60))
+    assert set(result["receiver_us_per_frame"]) == {"asyncio", "fd"}
+    for runs in result["receiver_us_per_frame"].values():
+        assert len(runs) == 1 and runs[0] > 0.0  # returned: all 50 frames arrived

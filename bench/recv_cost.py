@@ -1,0 +1,129 @@
+"""CPU cost of receiving one ZeroMQ frame at an engine's step cadence on an asyncio
+(uvloop) event loop, two ways (bench only): pyzmq's asyncio layer (``await
+recv_multipart()`` on a ``zmq.asyncio`` socket: a Future, its bookkeeping and several
+``ZMQ_EVENTS`` reads per frame) against the event loop watching the socket's file
+descriptor (``loop.add_reader`` and a callback that receives with ``NOBLOCK``, as
+``client.AsyncClient`` does).
+
+    python -m bench.recv_cost [--frames 2000] [--bytes 4000] [--interval 0.004] [--rounds 3]
+
+The gateway process receives this way at least twice per engine step: vLLM's engine client
+reads each step's outputs through pyzmq's asyncio layer, and so does the gateway's ROUTER
+for each client frame. A DEALER in another process sends FRAMES frames of BYTES bytes over
+ipc, spaced INTERVAL seconds apart; the receiving thread's CPU time (its thread clock, the
+loop's own waits included) is reported per frame, the two ways alternating over ROUNDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+
+import zmq
+import zmq.asyncio
+
+
+def _source(address: str, frames: int, size: int, interval: float) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    payload = b"x" * size
+    sock.send(b"hello")
+    sock.recv()  # the receiver is ready
+    for _ in range(frames):
+        sock.send(payload)
+        time.sleep(interval)
+    sock.recv()  # all received
+    sock.close(linger=0)
+    ctx.term()
+
+
+async def _receive_asyncio(sock: zmq.asyncio.Socket, frames: int) -> None:
+    for _ in range(frames):
+        await sock.recv_multipart()
+
+
+async def _receive_fd(sock: zmq.Socket, frames: int) -> None:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    left = [frames]
+
+    def on_readable() -> None:
+        while left[0] and sock.getsockopt(zmq.EVENTS) & 1:  # POLLIN
+            sock.recv_multipart(zmq.NOBLOCK)
+            left[0] -= 1
+        if not left[0] and not done.done():
+            done.set_result(None)
+
+    loop.add_reader(sock.getsockopt(zmq.FD), on_readable)
+    try:
+        on_readable()  # frames may already wait: the descriptor is edge-triggered
+        await done
+    finally:
+        loop.remove_reader(sock.getsockopt(zmq.FD))
+
+
+async def measure(way: str, frames: int, size: int, interval: float) -> float:
+    """The receiving thread's CPU µs per frame, received ``way`` ("asyncio" or "fd")."""
+    address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/recv-cost.sock"
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(address)
+    source = multiprocessing.get_context("spawn").Process(
+        target=_source, args=(address, frames, size, interval)
+    )
+    source.start()
+    try:
+        peer, _ = await sock.recv_multipart()
+        if way == "asyncio":
+            await sock.send_multipart([peer, b"go"])
+            start = time.thread_time()
+            await _receive_asyncio(sock, frames)
+        else:
+            plain = zmq.Socket.shadow(sock.underlying)
+            plain.send_multipart([peer, b"go"])
+            start = time.thread_time()
+            await _receive_fd(plain, frames)
+        spent = time.thread_time() - start
+        await sock.send_multipart([peer, b"done"])
+    finally:
+        source.join(60)
+        sock.close(linger=0)
+        ctx.term()
+    return spent / frames * 1e6
+
+
+async def compare(frames: int, size: int, interval: float, rounds: int) -> dict:
+    runs: dict[str, list[float]] = {"asyncio": [], "fd": []}
+    for _ in range(rounds):
+        for way in runs:
+            runs[way].append(round(await measure(way, frames, size, interval), 1))
+    return {
+        "frames": frames,
+        "bytes": size,
+        "interval_s": interval,
+        "receiver_us_per_frame": runs,
+        "median_us_per_frame": {way: statistics.median(v) for way, v in runs.items()},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.recv_cost", description=__doc__)
+    p.add_argument("--frames", type=int, default=2000)
+    p.add_argument("--bytes", type=int, default=4000, help="~128 streamed outputs")
+    p.add_argument("--interval", type=float, default=0.004, help="~250 engine steps/s")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    import uvloop
+
+    result = uvloop.run(compare(args.frames, args.bytes, args.interval, args.rounds))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
