@@ -270,13 +270,12 @@ def summarize_collapsed(path: Path, top: int = 35) -> str:
 def summarize_cprofile(profiler: object, steps: int, top: int = 40) -> str:
     """A cProfile run on the thread CPU clock as calls and µs per engine step, by own
     time and by time with callees."""
-    import io
     import pstats
 
+    stats = pstats.Stats(profiler)
     lines = [f"cProfile, thread CPU clock; per engine step ({steps} steps)"]
     for key, title in (("tottime", "own"), ("cumulative", "with callees")):
-        stream = io.StringIO()
-        stats = pstats.Stats(profiler, stream=stream).sort_stats(key)
+        stats.sort_stats(key)
         lines += ["", f"calls/step  own µs/step  cum µs/step  function (by {title})"]
         for func in stats.fcn_list[:top]:
             _, calls, own, cum, _ = stats.stats[func]
@@ -295,17 +294,22 @@ def thread_cpu_seconds() -> dict[str, float]:
     totals: dict[str, float] = {}
     main_tid = threading.get_native_id()
     for thread in psutil.Process().threads():
-        if thread.id == main_tid:
-            name = "main"
-        else:
-            try:
-                name = Path(f"/proc/self/task/{thread.id}/comm").read_text().strip()
-            except OSError:
-                continue
-            name = name.rstrip("0123456789").rstrip("/") or "other"
+        try:
+            name = _thread_kind(Path(f"/proc/self/task/{thread.id}"), main_tid)
+        except OSError:
+            continue
         totals[name] = totals.get(name, 0.0) + thread.user_time + thread.system_time
         totals[name + " (system)"] = totals.get(name + " (system)", 0.0) + thread.system_time
     return totals
+
+
+def _thread_kind(task: Path, main_tid: int) -> str:
+    """A thread's kind from its ``/proc/self/task/TID`` folder: "main" for the event
+    loop's thread, else its name without the trailing number ("ZMQbg/IO/0" -> "ZMQbg/IO")."""
+    if int(task.name) == main_tid:
+        return "main"
+    name = (task / "comm").read_text().strip()
+    return name.rstrip("0123456789").rstrip("/") or "other"
 
 
 def thread_schedstat() -> dict[str, tuple[float, float]]:
@@ -316,10 +320,9 @@ def thread_schedstat() -> dict[str, tuple[float, float]]:
     for task in Path("/proc/self/task").iterdir():
         try:
             running, waiting = (task / "schedstat").read_text().split()[:2]
-            name = "main" if int(task.name) == main_tid else (task / "comm").read_text().strip()
-        except (OSError, ValueError):
+            name = _thread_kind(task, main_tid)
+        except OSError:  # the thread ended meanwhile
             continue
-        name = name.rstrip("0123456789").rstrip("/") or "other"
         ran, waited = totals.get(name, (0.0, 0.0))
         totals[name] = (ran + int(running) / 1e9, waited + int(waiting) / 1e9)
     return totals
@@ -336,10 +339,9 @@ def thread_sleeps() -> dict[str, int]:
     for task in Path("/proc/self/task").iterdir():
         try:
             status = (task / "status").read_text()
-            name = "main" if int(task.name) == main_tid else (task / "comm").read_text().strip()
-        except OSError:
+            name = _thread_kind(task, main_tid)
+        except OSError:  # the thread ended meanwhile
             continue
-        name = name.rstrip("0123456789").rstrip("/") or "other"
         for line in status.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
                 totals[name] = totals.get(name, 0) + int(line.split()[1])
