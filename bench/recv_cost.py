@@ -1,17 +1,20 @@
 """CPU cost of receiving one ZeroMQ frame at an engine's step cadence on an asyncio
-(uvloop) event loop, two ways (bench only): pyzmq's asyncio layer (``await
+(uvloop) event loop, three ways (bench only): pyzmq's asyncio layer (``await
 recv_multipart()`` on a ``zmq.asyncio`` socket: a Future, its bookkeeping and several
-``ZMQ_EVENTS`` reads per frame) against the event loop watching the socket's file
-descriptor (``loop.add_reader`` and a callback that receives with ``NOBLOCK``, as
-``client.AsyncClient`` does).
+``ZMQ_EVENTS`` reads per frame); the same await on that socket adopted by
+``gateway.loop_watched_socket.LoopWatchedSocket`` (how the gateway's vLLM adapter has vLLM's
+output task receive); and the event loop watching the socket's file descriptor with a
+callback that receives with ``NOBLOCK`` itself, as ``client.AsyncClient`` does (no task
+to wake).
 
     python -m bench.recv_cost [--frames 2000] [--bytes 4000] [--interval 0.004] [--rounds 3]
 
-The gateway process receives this way at least twice per engine step: vLLM's engine client
-reads each step's outputs through pyzmq's asyncio layer, and so does the gateway's ROUTER
-for each client frame. A DEALER in another process sends FRAMES frames of BYTES bytes over
-ipc, spaced INTERVAL seconds apart; the receiving thread's CPU time (its thread clock, the
-loop's own waits included) is reported per frame, the two ways alternating over ROUNDS.
+The gateway process receives at least twice per engine step: vLLM's engine client reads
+each step's outputs (through LoopWatchedSocket), the gateway's ROUTER each client frame
+(through pyzmq's asyncio layer). A DEALER in another process sends FRAMES frames of
+BYTES bytes over ipc, spaced INTERVAL seconds apart; the receiving thread's CPU time (its
+thread clock, the loop's own waits included) is reported per frame, the ways alternating
+over ROUNDS.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 
 import zmq
 import zmq.asyncio
+
+from gateway.loop_watched_socket import LoopWatchedSocket
 
 _POLLIN = int(zmq.POLLIN)  # an int: pyzmq's flag enum costs ~1 µs per `&` on Python 3.11
 
@@ -72,7 +77,8 @@ async def _receive_fd(sock: zmq.Socket, frames: int) -> None:
 
 
 async def measure(way: str, frames: int, size: int, interval: float) -> float:
-    """The receiving thread's CPU µs per frame, received ``way`` ("asyncio" or "fd")."""
+    """The receiving thread's CPU µs per frame, received ``way`` ("asyncio", "watched"
+    or "fd")."""
     address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/recv-cost.sock"
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -83,8 +89,10 @@ async def measure(way: str, frames: int, size: int, interval: float) -> float:
     source.start()
     try:
         peer, _ = await sock.recv_multipart()
-        if way == "asyncio":
+        if way in ("asyncio", "watched"):
             await sock.send_multipart([peer, b"go"])
+            if way == "watched":
+                sock = LoopWatchedSocket.adopt(sock)
             start = time.thread_time()
             await _receive_asyncio(sock, frames)
         else:
@@ -102,7 +110,7 @@ async def measure(way: str, frames: int, size: int, interval: float) -> float:
 
 
 async def compare(frames: int, size: int, interval: float, rounds: int) -> dict:
-    runs: dict[str, list[float]] = {"asyncio": [], "fd": []}
+    runs: dict[str, list[float]] = {"asyncio": [], "watched": [], "fd": []}
     for _ in range(rounds):
         for way in runs:
             runs[way].append(round(await measure(way, frames, size, interval), 1))

@@ -339,3 +339,20 @@ async def test_each_validation_failure_gives_its_error_while_others_are_served(
             assert message in info.value.message
         assert (await bystander).output_tokens == 12
     assert real_gateway.table.live_requests == 0
+
+
+async def test_vllm_output_task_receives_through_the_loops_watch_of_its_socket(
+    vllm_engine, client
+):
+    """The adapter made vLLM's engine-output socket a LoopWatchedSocket before vLLM's
+    output task first received (this pins that structure of the supported vLLM range)."""
+    from gateway.loop_watched_socket import LoopWatchedSocket
+
+    sock = vllm_engine._client.resources.output_socket
+    assert type(sock) is LoopWatchedSocket
+    outs = [o async for o in client.generate([5, 6, 7], SamplingParams(max_tokens=4))]
+    assert sum(len(o.new_token_ids) for o in outs) == 4
+    # The output task waited on the descriptor from this loop: nothing went through
+    # pyzmq's own receive (which would have registered its reader and loop instead).
+    assert sock._watch_loop is asyncio.get_running_loop()
+    assert sock._current_loop is None

@@ -1,0 +1,115 @@
+"""A ``zmq.asyncio`` socket whose receives wait on the event loop's own watch of the
+socket's file descriptor.
+
+pyzmq's asyncio layer makes every ``await recv_multipart()`` a Future with its own
+bookkeeping: a ``RCVTIMEO`` read, several ``ZMQ_EVENTS`` reads (each processes the socket's
+commands), flag-enum arithmetic and a done-callback that costs another loop pass. At an
+engine step's cadence that is ~100 µs of CPU per frame more than receiving with
+``NOBLOCK`` when the loop says the descriptor is readable (``python -m bench.recv_cost``).
+
+``LoopWatchedSocket.adopt(sock)`` turns an existing ``zmq.asyncio.Socket`` into one whose
+blocking ``recv_multipart`` is that: the socket stays the same object (so code that holds
+it, checks ``isinstance(sock, zmq.asyncio.Socket)`` or closes it keeps working); sends,
+``NOBLOCK`` receives and everything else are pyzmq's. It is for a socket with one
+receiving task (the gateway uses it for vLLM's engine-output socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+_POLLIN = int(zmq.POLLIN)  # an int: pyzmq's flag enum costs ~1 µs per `&` on Python 3.11
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class LoopWatchedSocket(zmq.asyncio.Socket):
+    """A ``zmq.asyncio.Socket`` whose blocking ``recv_multipart`` receives with ``NOBLOCK``
+    and, when nothing is waiting, awaits the loop's reader callback on the socket's FD.
+
+    The callback is registered on the first receive and stays until ``close``; it reads
+    ``ZMQ_EVENTS`` every time the descriptor fires (which also re-arms ZeroMQ's
+    edge-triggered descriptor) and wakes the waiting receive once a message is there.
+    Closing the socket cancels a waiting receive, as pyzmq's does.
+    """
+
+    _watch_loop: asyncio.AbstractEventLoop | None = None
+    _watch_fd: int = -1
+    _watch_plain: zmq.Socket | None = None
+    _watch_waiter: asyncio.Future[None] | None = None
+
+    @classmethod
+    def adopt(cls, sock: zmq.asyncio.Socket) -> LoopWatchedSocket:
+        """Make ``sock`` (a plain ``zmq.asyncio.Socket`` with no receive timeout and no
+        receive under way) a LoopWatchedSocket, in place, and return it."""
+        if type(sock) is not zmq.asyncio.Socket:
+            raise TypeError(f"expected a zmq.asyncio.Socket, got {type(sock).__name__}")
+        if sock.rcvtimeo >= 0:
+            raise ValueError("a socket with a receive timeout keeps pyzmq's receive")
+        sock.__class__ = cls
+        assert isinstance(sock, LoopWatchedSocket)
+        sock._watch_plain = zmq.Socket.shadow(sock.underlying)
+        return sock
+
+    def recv_multipart(  # type: ignore[override]
+        self, flags: int = 0, copy: bool = True, track: bool = False
+    ) -> Any:
+        if flags & _NOBLOCK:
+            return super().recv_multipart(flags, copy=copy, track=track)
+        return self._receive(copy, track)
+
+    async def _receive(self, copy: bool, track: bool) -> list[Any]:
+        plain = self._watch_plain
+        assert plain is not None
+        while True:
+            try:
+                return plain.recv_multipart(_NOBLOCK, copy=copy, track=track)
+            except zmq.Again:
+                pass
+            waiter = self._readable()
+            try:
+                await waiter
+            finally:
+                self._watch_waiter = None
+
+    def _readable(self) -> asyncio.Future[None]:
+        if self._watch_waiter is not None:
+            raise RuntimeError("LoopWatchedSocket: only one receive may wait at a time")
+        loop = asyncio.get_running_loop()
+        if self._watch_loop is None:
+            plain = self._watch_plain
+            assert plain is not None
+            self._watch_fd = plain.get(zmq.FD)
+            loop.add_reader(self._watch_fd, self._on_descriptor)
+            self._watch_loop = loop
+        elif self._watch_loop is not loop:
+            raise RuntimeError("LoopWatchedSocket is watched by another event loop")
+        waiter = self._watch_waiter = loop.create_future()
+        return waiter
+
+    def _on_descriptor(self) -> None:
+        plain = self._watch_plain
+        if plain is None or plain.closed:
+            return
+        try:
+            events = plain.get(zmq.EVENTS)  # also re-arms the descriptor
+        except zmq.ZMQError:
+            events = _POLLIN  # let the receive meet the error
+        waiter = self._watch_waiter
+        if events & _POLLIN and waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def close(self, linger: int | None = None) -> None:
+        loop, self._watch_loop = self._watch_loop, None
+        if loop is not None and not loop.is_closed() and self._watch_fd >= 0:
+            loop.remove_reader(self._watch_fd)
+        waiter = self._watch_waiter
+        if waiter is not None and not waiter.done():
+            try:
+                waiter.cancel()
+            except RuntimeError:  # its loop is closed: teardown
+                pass
+        super().close(linger=linger)
