@@ -17,6 +17,7 @@ receiving task (the gateway uses it for vLLM's engine-output socket).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import zmq
@@ -108,8 +109,6 @@ class LoopWatchedSocket(zmq.asyncio.Socket):
             loop.remove_reader(self._watch_fd)
         waiter = self._watch_waiter
         if waiter is not None and not waiter.done():
-            try:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: teardown
                 waiter.cancel()
-            except RuntimeError:  # its loop is closed: teardown
-                pass
         super().close(linger=linger)

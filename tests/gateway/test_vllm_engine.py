@@ -341,9 +341,7 @@ async def test_each_validation_failure_gives_its_error_while_others_are_served(
     assert real_gateway.table.live_requests == 0
 
 
-async def test_vllm_output_task_receives_through_the_loops_watch_of_its_socket(
-    vllm_engine, client
-):
+async def test_vllm_output_task_receives_through_the_loops_watch_of_its_socket(vllm_engine, client):
     """The adapter made vLLM's engine-output socket a LoopWatchedSocket before vLLM's
     output task first received (this pins that structure of the supported vLLM range)."""
     from gateway.loop_watched_socket import LoopWatchedSocket
