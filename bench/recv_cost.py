@@ -11,7 +11,7 @@ to wake).
 
 The gateway process receives at least twice per engine step: vLLM's engine client reads
 each step's outputs (through LoopWatchedSocket), the gateway's ROUTER each client frame
-(through pyzmq's asyncio layer). A DEALER in another process sends FRAMES frames of
+(through pyzmq's asyncio layer). A PUSH socket in another process sends FRAMES frames of
 BYTES bytes over ipc, spaced INTERVAL seconds apart; the receiving thread's CPU time (its
 thread clock, the loop's own waits included) is reported per frame, the ways alternating
 over ROUNDS.
@@ -26,6 +26,7 @@ import multiprocessing
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -35,18 +36,16 @@ from gateway.loop_watched_socket import LoopWatchedSocket
 _POLLIN = int(zmq.POLLIN)  # an int: pyzmq's flag enum costs ~1 µs per `&` on Python 3.11
 
 
-def _source(address: str, frames: int, size: int, interval: float) -> None:
+def _source(address: str, frames: int, size: int, interval: float, go: Any) -> None:
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
+    sock = ctx.socket(zmq.PUSH)
     sock.connect(address)
     payload = b"x" * size
-    sock.send(b"hello")
-    sock.recv()  # the receiver is ready
+    go.wait(60)  # the receiver is ready
     for _ in range(frames):
         sock.send(payload)
         time.sleep(interval)
-    sock.recv()  # all received
-    sock.close(linger=0)
+    sock.close()  # lingers until every frame is delivered
     ctx.term()
 
 
@@ -81,27 +80,22 @@ async def measure(way: str, frames: int, size: int, interval: float) -> float:
     or "fd")."""
     address = f"ipc://{tempfile.mkdtemp(prefix='eg-')}/recv-cost.sock"
     ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
+    sock = ctx.socket(zmq.PULL)
     sock.bind(address)
-    source = multiprocessing.get_context("spawn").Process(
-        target=_source, args=(address, frames, size, interval)
-    )
+    spawn = multiprocessing.get_context("spawn")
+    go = spawn.Event()
+    source = spawn.Process(target=_source, args=(address, frames, size, interval, go))
     source.start()
     try:
-        peer, _ = await sock.recv_multipart()
-        if way in ("asyncio", "watched"):
-            await sock.send_multipart([peer, b"go"])
+        start = time.thread_time()
+        go.set()
+        if way == "fd":
+            await _receive_fd(zmq.Socket.shadow(sock.underlying), frames)
+        else:
             if way == "watched":
                 sock = LoopWatchedSocket.adopt(sock)
-            start = time.thread_time()
             await _receive_asyncio(sock, frames)
-        else:
-            plain = zmq.Socket.shadow(sock.underlying)
-            plain.send_multipart([peer, b"go"])
-            start = time.thread_time()
-            await _receive_fd(plain, frames)
         spent = time.thread_time() - start
-        await sock.send_multipart([peer, b"done"])
     finally:
         source.join(60)
         sock.close(linger=0)

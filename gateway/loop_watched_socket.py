@@ -9,9 +9,12 @@ engine step's cadence that is ~100 µs of CPU per frame more than receiving with
 
 ``LoopWatchedSocket.adopt(sock)`` turns an existing ``zmq.asyncio.Socket`` into one whose
 blocking ``recv_multipart`` is that: the socket stays the same object (so code that holds
-it, checks ``isinstance(sock, zmq.asyncio.Socket)`` or closes it keeps working); sends,
-``NOBLOCK`` receives and everything else are pyzmq's. It is for a socket with one
-receiving task (the gateway uses it for vLLM's engine-output socket).
+it, checks ``isinstance(sock, zmq.asyncio.Socket)`` or closes it keeps working);
+``NOBLOCK`` receives and everything else are pyzmq's. It is for a receive-only socket
+(PULL, SUB) with one receiving task; the gateway uses it for vLLM's engine-output socket.
+Receive-only, because a send processes the socket's pending commands and so can consume the
+descriptor's edge while a receive waits, and a blocked asyncio send would register pyzmq's
+own reader on the descriptor in place of this one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import zmq.asyncio
 _POLLIN = int(zmq.POLLIN)  # an int: pyzmq's flag enum costs ~1 µs per `&` on Python 3.11
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
+_RECEIVE_ONLY = (int(zmq.PULL), int(zmq.SUB))
 
 
 class LoopWatchedSocket(zmq.asyncio.Socket):
@@ -45,10 +49,12 @@ class LoopWatchedSocket(zmq.asyncio.Socket):
 
     @classmethod
     def adopt(cls, sock: zmq.asyncio.Socket) -> LoopWatchedSocket:
-        """Make ``sock`` (a plain ``zmq.asyncio.Socket`` with no receive timeout and no
-        receive under way) a LoopWatchedSocket, in place, and return it."""
+        """Make ``sock`` (a plain receive-only ``zmq.asyncio.Socket`` with no receive
+        timeout and no receive under way) a LoopWatchedSocket, in place, and return it."""
         if type(sock) is not zmq.asyncio.Socket:
             raise TypeError(f"expected a zmq.asyncio.Socket, got {type(sock).__name__}")
+        if sock.type not in _RECEIVE_ONLY:
+            raise ValueError(f"a {zmq.SocketType(sock.type).name} socket can send")
         if sock.rcvtimeo >= 0:
             raise ValueError("a socket with a receive timeout keeps pyzmq's receive")
         sock.__class__ = cls

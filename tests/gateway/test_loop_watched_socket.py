@@ -54,6 +54,7 @@ def loop_name(request) -> str:
 
 
 def test_adopt_keeps_the_object_an_asyncio_socket_and_refuses_what_it_cannot_watch():
+    """Refused: an adopted or plain socket, one with a receive timeout, one that sends."""
     actx = zmq.asyncio.Context()
     sock = actx.socket(zmq.PULL)
     assert LoopWatchedSocket.adopt(sock) is sock
@@ -64,10 +65,13 @@ def test_adopt_keeps_the_object_an_asyncio_socket_and_refuses_what_it_cannot_wat
     timed.rcvtimeo = 100
     with pytest.raises(ValueError, match="receive timeout"):
         LoopWatchedSocket.adopt(timed)
+    dealer = actx.socket(zmq.DEALER)
+    with pytest.raises(ValueError, match="DEALER socket can send"):
+        LoopWatchedSocket.adopt(dealer)
     plain = zmq.Context.instance().socket(zmq.PULL)
     with pytest.raises(TypeError):
         LoopWatchedSocket.adopt(plain)  # type: ignore[arg-type]
-    for s in (sock, timed, plain):
+    for s in (sock, timed, dealer, plain):
         s.close(linger=0)
     actx.term()
 
