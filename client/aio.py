@@ -83,6 +83,10 @@ _RECONNECT_BACKOFF_S = (0.05, 2.0)  # first and largest pause between Hellos
 _PAUSE_S = 0.25  # the keeper waking this late means this process itself did not run
 _KEPT_CONNECTION_ERRORS = 64
 _READ_BATCH = 32  # frames read in one callback before the woken consumers get to run
+# ZMQ_EVENTS masks as ints: `int & zmq.POLLIN` builds a flag enum (~0.85 µs on Python 3.11,
+# against ~0.02 µs for two ints), twice per frame read.
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 _MAX_PENDING_OUTPUTS = 64  # per request; past it, a sample's new outputs merge into its last
 # Errors that mean the gateway no longer holds a session for this client.
 _SESSION_GONE = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SLOW_CONSUMER)
@@ -574,10 +578,10 @@ class AsyncClient(CompletionCalls):
         try:
             while True:
                 events = sock.get(zmq.EVENTS)
-                if events & zmq.POLLOUT and self._outbox:
+                if events & _POLLOUT and self._outbox:
                     self._flush_outbox(sock)
                     self._schedule_socket_events()  # the sends may have hidden the edge
-                if not events & zmq.POLLIN:
+                if not events & _POLLIN:
                     return
                 if received == _READ_BATCH:
                     # More waiting: read on after the woken consumers (and the
