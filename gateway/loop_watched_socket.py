@@ -105,7 +105,8 @@ class LoopWatchedSocket(zmq.asyncio.Socket):
 
     def _on_descriptor(self) -> None:
         plain = self._watch_plain
-        if plain is None or plain.closed:
+        assert plain is not None  # set by adopt, before the first receive registers this
+        if plain.closed:
             return
         try:
             events = plain.get(_EVENTS)  # also re-arms the descriptor
