@@ -335,15 +335,19 @@ def test_curve_serves_the_allowed_key_and_refuses_wrong_or_no_key(curve_keys):
         good = load_client_keys(
             root / "server" / "server.key", root / "client" / "client.key_secret"
         )
-        with Client(gw.address, curve_keys=good) as client:
-            assert client.complete([5], SamplingParams(max_tokens=3)).output_tokens == 3
         stranger = load_client_keys(
             root / "server" / "server.key", root / "stranger" / "stranger.key_secret"
         )
-        for keys in (stranger, None):
-            with pytest.raises(GatewayUnavailable):
-                Client(gw.address, curve_keys=keys, connect_timeout_s=1.5)
-        assert gw.call(lambda: gw.gateway.table.connected_clients) == 0
+        with Client(gw.address, curve_keys=good) as client:
+            assert client.complete([5], SamplingParams(max_tokens=3)).output_tokens == 3
+            for keys in (stranger, None):
+                with pytest.raises(GatewayUnavailable):
+                    Client(gw.address, curve_keys=keys, connect_timeout_s=1.5)
+            # Only the allowed key holds a session: the refused ones never reached the
+            # table. (A closed client's session lasts until its heartbeat timeout, so this
+            # is counted while the allowed client is still open.)
+            assert gw.call(lambda: gw.gateway.table.connected_clients) == 1
+            assert client.complete([6], SamplingParams(max_tokens=2)).output_tokens == 2
 
 
 def test_metrics_endpoint_reports_requests_tokens_errors_and_clients():
