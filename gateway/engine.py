@@ -7,7 +7,7 @@ process for unit tests and the gateway's own benchmark ceiling.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -114,6 +114,13 @@ class Engine(Protocol):
 
     async def get_output(self) -> Sequence[StepOutput]:
         """Wait for the next engine step's outputs. Raises EngineDead."""
+        ...
+
+    async def run_outputs(self, on_step: Callable[[Sequence[StepOutput]], None]) -> None:
+        """Call ``on_step`` on the event loop with each step's outputs, in order, until
+        the engine dies: then raise EngineDead. An exception from ``on_step`` ends the
+        call and is raised from it. The gateway uses this, not ``get_output``; an engine
+        uses one or the other for its whole life."""
         ...
 
     async def aclose(self) -> None:

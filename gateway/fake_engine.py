@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from codec import EngineLoad, Generate, Logprobs
@@ -141,6 +141,10 @@ class FakeEngine:
         if self.step_times is not None:
             self.step_times.append(time.monotonic())
         return outputs
+
+    async def run_outputs(self, on_step: Callable[[Sequence[FakeOutput]], None]) -> None:
+        while True:
+            on_step(await self.get_output())
 
     async def aclose(self) -> None:
         self._live.clear()

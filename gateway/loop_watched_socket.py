@@ -12,6 +12,8 @@ blocking ``recv_multipart`` is that: the socket stays the same object (so code t
 it, checks ``isinstance(sock, zmq.asyncio.Socket)`` or closes it keeps working);
 ``NOBLOCK`` receives and everything else are pyzmq's. It is for a receive-only socket
 (PULL, SUB) with one receiving task; the gateway uses it for vLLM's engine-output socket.
+A receive that finds a frame already there still yields to the loop once, so a task that
+handles what it receives inline cannot hold the loop through a backlog.
 Receive-only, because a send processes the socket's pending commands and so can consume the
 descriptor's edge while a receive waits, and a blocked asyncio send would register pyzmq's
 own reader on the descriptor in place of this one.
@@ -75,6 +77,11 @@ class LoopWatchedSocket(zmq.asyncio.Socket):
         # ZMQ_EVENTS first: a receive that finds nothing raises zmq.Again, which costs more
         # than the read. Once woken, the callback has just seen POLLIN.
         ready = plain.get(_EVENTS) & _POLLIN
+        if ready:
+            # A frame was already waiting (frames came faster than they are handled):
+            # let the loop's other tasks run first, as they do between frames that
+            # arrive apart, or a backlog would hold the loop until it is worked off.
+            await asyncio.sleep(0)
         while True:
             if ready:
                 try:

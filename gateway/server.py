@@ -2,8 +2,8 @@
 
 Rule: this is the only module with socket code, and it holds no protocol
 rules. Three loops run in one TaskGroup: receive (recv, decode, table, carry
-out effects), outputs (engine step, table, one Outputs frame per client) and
-housekeeping (heartbeat expiry, drain deadline). Exceptions become Error
+out effects), outputs (the engine calls back with each step: table, one Outputs
+frame per client) and housekeeping (heartbeat expiry, drain deadline). Exceptions become Error
 frames here and nowhere else. Sends never block: a client that cannot take
 a frame is handled by the table, never waited for.
 """
@@ -16,7 +16,8 @@ import errno
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -34,7 +35,7 @@ from codec.framing import encode_payload
 
 from .auth import ControlPolicy, CurveConfig
 from .control import control_reply
-from .engine import Engine
+from .engine import Engine, StepOutput
 from .errors import EngineDead, RequestRejected, SubmitFailed
 from .metrics import StepHistogram
 from .preflight import ipc_path_in_use
@@ -152,7 +153,7 @@ class Gateway:
     ):
         self.engine = engine
         self.control = control
-        self._control_tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # control calls and aborts under way
         self.limits = limits
         self.binds = [bind] if isinstance(bind, str) else list(bind)
         self.drain_timeout_s = drain_timeout_s
@@ -274,27 +275,22 @@ class Gateway:
                 )
 
     async def _output_loop(self) -> None:
-        engine = self.engine
-        table = self.table
+        try:
+            await self.engine.run_outputs(self._on_step)
+        except EngineDead as exc:
+            self._on_engine_dead(exc.message)
+
+    def _on_step(self, outputs: Sequence[StepOutput]) -> None:
+        """One engine step, called by the engine as it delivers it: one Outputs frame
+        per client, and aborts for samples a stop sequence ended."""
+        start = time.perf_counter()
+        effects = self.table.on_step(outputs, time.monotonic(), self.engine.weight_version)
         send = self._send
-        observe = self.step_histogram.observe
-        clock = time.perf_counter
-        while True:
-            try:
-                outputs = await engine.get_output()
-            except EngineDead as exc:
-                self._on_engine_dead(exc.message)
-                return
-            start = clock()
-            effects = table.on_step(outputs, time.monotonic(), engine.weight_version)
-            for client_id, msg in effects.replies:
-                send(client_id, msg)
-            observe(clock() - start)
-            if effects.abort:  # samples a stop sequence ended: the engine stops them now
-                await self._abort_in_engine(effects.abort)
-            # get_output() returns queued steps without yielding; under sustained load
-            # this keeps inbound frames (aborts, heartbeats) flowing between steps.
-            await asyncio.sleep(0)
+        for client_id, msg in effects.replies:
+            send(client_id, msg)
+        self.step_histogram.observe(time.perf_counter() - start)
+        if effects.abort:  # the engine would go on with them: stop them now
+            self._spawn(self._abort_in_engine(effects.abort))
 
     async def _housekeeping_loop(self) -> None:
         table = self.table
@@ -348,9 +344,13 @@ class Gateway:
             await self._abort_in_engine(effects.abort)
         for client_id, call in effects.control:
             # Run beside the loops: Pause(wait) returns only once requests drained.
-            task = asyncio.ensure_future(self._run_control(client_id, call))
-            self._control_tasks.add(task)
-            task.add_done_callback(self._control_tasks.discard)
+            self._spawn(self._run_control(client_id, call))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` beside the loops, holding it until it is done."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _run_control(self, client_id: bytes, call) -> None:  # noqa: ANN001
         """Make one allowed control call on the engine; answer with its result or an Error."""

@@ -116,6 +116,24 @@ def test_a_frame_that_fires_the_descriptor_while_nobody_waits_is_still_received(
     run_on(loop_name, scenario)
 
 
+def test_a_frame_already_waiting_is_received_only_after_the_loop_ran_once(loop_name):
+    """A backlog must not hold the loop: each receive that finds a frame there yields first
+    (the gateway handles a step inside the receiving task)."""
+
+    async def scenario() -> None:
+        async with pull_and_push() as (pull, push):
+            for i in range(3):
+                push.send(str(i).encode())
+            await asyncio.sleep(0.05)  # all three wait in the socket
+            for i in range(3):
+                other_ran = asyncio.Event()
+                asyncio.get_running_loop().call_soon(other_ran.set)
+                assert await pull.recv_multipart() == [str(i).encode()]
+                assert other_ran.is_set()
+
+    run_on(loop_name, scenario)
+
+
 class CountingSocket(LoopWatchedSocket):
     calls = 0
 

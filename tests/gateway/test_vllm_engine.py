@@ -354,3 +354,25 @@ async def test_vllm_output_task_receives_through_the_loops_watch_of_its_socket(v
     # pyzmq's own receive (which would have registered its reader and loop instead).
     assert sock._watch_loop is asyncio.get_running_loop()
     assert sock._current_loop is None
+
+
+async def test_each_step_is_handled_inside_vllms_output_task(vllm_engine, real_gateway, client):
+    """run_outputs hands each step to the gateway inside vLLM's output task, through the
+    shadowed put_nowait of vLLM's outputs queue (pins that structure of vLLM's client)."""
+    queue = vllm_engine._client.outputs_queue
+    assert type(queue) is asyncio.Queue and "put_nowait" in vars(queue)
+    table = real_gateway.table
+    handled_in: list[str] = []
+
+    def on_step(outputs, now, weight_version=None):
+        handled_in.append(asyncio.current_task().get_name())
+        return type(table).on_step(table, outputs, now, weight_version)
+
+    table.on_step = on_step
+    try:
+        outs = [o async for o in client.generate([5, 6, 7], SamplingParams(max_tokens=4))]
+    finally:
+        del table.on_step
+    assert sum(len(o.new_token_ids) for o in outs) == 4
+    assert handled_in and set(handled_in) == {"EngineCoreOutputQueueTask"}
+    assert queue.empty()  # nothing is left queued for a get_output nobody calls

@@ -1,0 +1,115 @@
+"""VllmEngine.run_outputs against a stand-in for vLLM's client (its outputs queue and
+exception formatting only): the hand-over rules, without an engine. The real engine's
+output task is pinned in test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.errors import EngineDead
+from gateway.vllm_engine import VllmEngine
+
+
+class StandInClient:
+    def __init__(self) -> None:
+        self.outputs_queue: asyncio.Queue = asyncio.Queue()
+        self.resources = SimpleNamespace(engine_dead=False, engine_manager=None)
+
+    def _format_exception(self, exc: Exception) -> Exception:
+        return RuntimeError(f"formatted {exc}")
+
+
+def engine_on(client: StandInClient) -> VllmEngine:
+    engine = VllmEngine.__new__(VllmEngine)  # no vLLM config: only the output path
+    engine._client = client
+    engine._closed = False
+    engine._stats = {}
+    engine.weight_version = None
+    return engine
+
+
+def step(*request_ids: str, weight_version: str | None = None) -> SimpleNamespace:
+    outputs = [
+        SimpleNamespace(request_id=r, new_logprobs=None, new_prompt_logprobs_tensors=None)
+        for r in request_ids
+    ]
+    return SimpleNamespace(outputs=outputs, weight_version=weight_version, scheduler_stats=None)
+
+
+async def test_steps_before_and_after_the_call_arrive_in_order_then_death_raises():
+    client = StandInClient()
+    engine = engine_on(client)
+    seen: list[tuple[list[str], str | None]] = []
+
+    def on_step(outputs):
+        seen.append(([o.request_id for o in outputs], engine.weight_version))
+
+    client.outputs_queue.put_nowait(step("a"))  # queued before anyone listened
+    runner = asyncio.ensure_future(engine.run_outputs(on_step))
+    await asyncio.sleep(0)
+    client.outputs_queue.put_nowait(step("b", "c", weight_version="v2"))
+    client.outputs_queue.put_nowait(step("d", weight_version="v2"))
+    assert seen == [(["a"], None), (["b", "c"], "v2"), (["d"], "v2")]  # delivered inline
+    client.outputs_queue.put_nowait(ValueError("socket closed"))
+    with pytest.raises(EngineDead, match="formatted socket closed"):
+        await asyncio.wait_for(runner, 5)
+    assert "put_nowait" not in vars(client.outputs_queue)  # the queue is vLLM's again
+    client.outputs_queue.put_nowait(step("late"))
+    assert len(seen) == 3 and client.outputs_queue.qsize() == 1
+
+
+async def test_a_failing_handler_is_raised_as_itself_and_later_steps_are_not_handled():
+    client = StandInClient()
+    engine = engine_on(client)
+    calls = []
+
+    def on_step(outputs):
+        calls.append(outputs)
+        raise KeyError("a gateway bug")
+
+    runner = asyncio.ensure_future(engine.run_outputs(on_step))
+    await asyncio.sleep(0)
+    client.outputs_queue.put_nowait(step("a"))
+    client.outputs_queue.put_nowait(step("b"))  # vLLM's task goes on; nobody handles it
+    with pytest.raises(KeyError, match="a gateway bug"):
+        await asyncio.wait_for(runner, 5)
+    assert len(calls) == 1
+
+
+async def test_once_vllm_stops_the_engines_a_step_ends_the_call_as_engine_death():
+    """After an engine died vLLM ABORTs the others' requests: no client asked for that."""
+    client = StandInClient()
+    engine = engine_on(client)
+    seen = []
+    runner = asyncio.ensure_future(engine.run_outputs(seen.append))
+    await asyncio.sleep(0)
+    client.outputs_queue.put_nowait(step("a"))
+    client.resources.engine_dead = True
+    client.outputs_queue.put_nowait(step("a"))
+    with pytest.raises(EngineDead, match="vLLM stopped the others"):
+        await asyncio.wait_for(runner, 5)
+    assert len(seen) == 1
+
+
+async def test_a_client_without_a_plain_queue_is_pulled_from_instead():
+    client = StandInClient()
+    client.outputs_queue = SimpleNamespace()  # not an asyncio.Queue: vLLM changed shape
+
+    async def get_output_async():
+        return step("pulled")
+
+    client.get_output_async = get_output_async
+    engine = engine_on(client)
+    seen = []
+
+    def on_step(outputs):
+        seen.append(outputs[0].request_id)
+        if len(seen) == 2:
+            raise EngineDead("enough")
+
+    with pytest.raises(EngineDead, match="enough"):
+        await asyncio.wait_for(engine.run_outputs(on_step), 5)
+    assert seen == ["pulled", "pulled"]
