@@ -2,7 +2,8 @@
 
 Supported vLLM: 0.32.x (``SUPPORTED_VLLM``); the internals used here are
 InputProcessor, EngineCoreClient.make_async_mp_client (and its client's engine-output
-socket, which the gateway receives from through ``LoopWatchedSocket``), SamplingParams,
+socket, which the gateway receives from through ``LoopWatchedSocket``, and its outputs
+queue, whose ``put_nowait`` ``run_outputs`` shadows to take each step inline), SamplingParams,
 EngineCoreRequest/Output and the engine-argument parser. Validation and
 defaults are vLLM's own: requests go through vLLM's InputProcessor, sampling
 defaults come from the model's generation config as in vLLM's OpenAI server.
