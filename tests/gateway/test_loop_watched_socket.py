@@ -30,12 +30,13 @@ def run_on(loop_name: str, test: Callable[[], Coroutine[Any, Any, None]]) -> Non
 @contextlib.asynccontextmanager
 async def pull_and_push(
     cls: type[LoopWatchedSocket] = LoopWatchedSocket,
+    **adopt_options: bool,
 ) -> AsyncIterator[tuple[LoopWatchedSocket, zmq.Socket]]:
     """A watched PULL socket (made by pyzmq's asyncio context, then adopted) and a plain
     PUSH socket connected to it; both closed on exit."""
     address = ipc_address("watched")
     actx, ctx = zmq.asyncio.Context(), zmq.Context()
-    pull = cls.adopt(actx.socket(zmq.PULL))
+    pull = cls.adopt(actx.socket(zmq.PULL), **adopt_options)
     pull.bind(address)
     push = ctx.socket(zmq.PUSH)
     push.connect(address)
@@ -130,6 +131,24 @@ def test_a_frame_already_waiting_is_received_only_after_the_loop_ran_once(loop_n
                 asyncio.get_running_loop().call_soon(other_ran.set)
                 assert await pull.recv_multipart() == [str(i).encode()]
                 assert other_ran.is_set()
+
+    run_on(loop_name, scenario)
+
+
+def test_without_yield_when_waiting_a_waiting_frame_is_returned_at_once(loop_name):
+    """A receiving loop with its own yield policy (the gateway's ROUTER) gets a frame that
+    is already there without a loop pass, as from pyzmq's receive."""
+
+    async def scenario() -> None:
+        async with pull_and_push(yield_when_waiting=False) as (pull, push):
+            for i in range(3):
+                push.send(str(i).encode())
+            await asyncio.sleep(0.05)
+            other_ran = asyncio.Event()
+            asyncio.get_running_loop().call_soon(other_ran.set)
+            for i in range(3):
+                assert await pull.recv_multipart() == [str(i).encode()]
+            assert not other_ran.is_set()
 
     run_on(loop_name, scenario)
 
@@ -229,5 +248,123 @@ def test_any_schedule_of_bursts_and_pauses_arrives_whole_and_in_order(
                     await asyncio.sleep(receiver_pause)
             await sender
             assert got == list(range(total))
+
+    run_on(loop_name, scenario)
+
+
+@contextlib.asynccontextmanager
+async def router_and_dealer(
+    **router_options: int,
+) -> AsyncIterator[tuple[LoopWatchedSocket, zmq.Socket]]:
+    """A watched ROUTER adopted with sends=True and a plain DEALER (identity b"peer")
+    connected and known to it; both closed on exit."""
+    address = ipc_address("watched-router")
+    actx, ctx = zmq.asyncio.Context(), zmq.Context()
+    router = actx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    for option, value in router_options.items():
+        router.setsockopt(getattr(zmq, option), value)
+    router = LoopWatchedSocket.adopt(router, sends=True)
+    router.bind(address)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"peer")
+    dealer.connect(address)
+    try:
+        dealer.send(b"hello")
+        assert await asyncio.wait_for(router.recv_multipart(), 5) == [b"peer", b"hello"]
+        yield router, dealer
+    finally:
+        dealer.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+        actx.term()
+
+
+def test_a_send_that_takes_a_new_frames_edge_still_wakes_the_waiting_receive(loop_name):
+    """The frame arrives while the loop is held; the send that follows processes the
+    socket's commands (taking the descriptor's edge) before the loop polls again: the
+    waiting receive must be woken by send_nowait itself."""
+
+    async def scenario() -> None:
+        async with router_and_dealer() as (router, dealer):
+            for i in range(20):
+                waiting = asyncio.ensure_future(router.recv_multipart())
+                await asyncio.sleep(0.002)  # the receive now waits on the descriptor
+                dealer.send(b"req%d" % i)
+                time.sleep(0.02)  # hold the loop: the frame reaches the ROUTER's pipe
+                assert router.send_nowait([b"peer", b"reply%d" % i]) is None
+                assert await asyncio.wait_for(waiting, 2) == [b"peer", b"req%d" % i]
+                assert dealer.recv() == b"reply%d" % i
+
+    run_on(loop_name, scenario)
+
+
+def test_send_nowait_returns_errors_and_pyzmqs_own_sends_are_refused(loop_name):
+    async def scenario() -> None:
+        async with router_and_dealer(SNDHWM=4) as (router, dealer):
+            error = router.send_nowait([b"nobody", b"x"])
+            assert isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH
+            errors = [router.send_nowait([b"peer", b"%d" % i]) for i in range(5000)]
+            assert errors[0] is None and isinstance(errors[-1], zmq.Again)  # not reading
+            for send in (router.send, router.send_multipart):
+                with pytest.raises(TypeError, match="send_nowait"):
+                    send([b"peer", b"x"])
+            assert dealer.recv() == b"0"  # what was accepted is delivered, in order
+            assert dealer.recv() == b"1"
+
+    run_on(loop_name, scenario)
+    actx = zmq.asyncio.Context()
+    pull = LoopWatchedSocket.adopt(actx.socket(zmq.PULL))  # adopted to receive only
+    with pytest.raises(TypeError, match="sends=True"):
+        pull.send_nowait([b"x"])
+    pull.close(linger=0)
+    actx.term()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rounds=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(0, 30), st.sampled_from([0.0, 0.001])),
+        min_size=1,
+        max_size=10,
+    ),
+    loop_name=st.sampled_from(sorted(LOOPS)),
+)
+def test_receives_and_sends_interleaved_any_way_lose_nothing(rounds, loop_name):
+    """A peer thread sends bursts while the loop answers every request and also sends
+    extra frames of its own between receives: every request is received and every
+    reply and extra frame delivered, in order, with no lost wake-up."""
+    total = sum(n for n, _, _ in rounds)
+    expected = total + sum(extra for _, extra, _ in rounds)
+
+    async def scenario() -> None:
+        async with router_and_dealer() as (router, dealer):
+            got_back: list[bytes] = []
+
+            def peer() -> None:
+                i = 0
+                for n, _, pause in rounds:
+                    for _ in range(n):
+                        dealer.send(b"q%d" % i)
+                        i += 1
+                    time.sleep(pause)
+                while len(got_back) < expected and dealer.poll(5000):
+                    got_back.append(dealer.recv())
+
+            thread = asyncio.get_running_loop().run_in_executor(None, peer)
+            received = []
+            sent: list[bytes] = []
+            for n, extra, _ in rounds:
+                for _ in range(n):
+                    _, body = await asyncio.wait_for(router.recv_multipart(), 5)
+                    received.append(body)
+                    sent.append(b"a" + body)
+                    assert router.send_nowait([b"peer", sent[-1]]) is None
+                for k in range(extra):
+                    sent.append(b"x%d" % k)
+                    assert router.send_nowait([b"peer", sent[-1]]) is None
+            await thread
+            assert received == [b"q%d" % i for i in range(total)]
+            assert got_back == sent
 
     run_on(loop_name, scenario)
