@@ -2,8 +2,8 @@
 its admission limit (max_in_flight_per_client), plus malformed frames, as fast as the
 gateway answers them. With ``invalid`` the Generates name an out-of-vocabulary id, so
 the gateway refuses them all and the figure shows the frontend's own cost of a flood.
-Raw pyzmq and codec only; it reads every reply (a flood, not a slow consumer) and
-counts what it got.
+Raw pyzmq and codec only; it reads every reply and keeps at most half the gateway's
+``client_send_hwm`` unanswered (a flood, not a slow consumer), and counts what it got.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Flooder:
         self.invalid = invalid  # out-of-vocabulary prompts: refused, never reach the engine
         self.curve_keys = curve_keys
         self.stats = FloodStats()
+        self._unanswered = 0  # frames sent whose answer has not come
         self._rng = random.Random(seed)
 
     async def run(self, stop: asyncio.Event) -> FloodStats:
@@ -96,6 +97,7 @@ class Flooder:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
         if self.curve_keys is not None:
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.curve_keys
         sock.connect(self.address)
@@ -106,63 +108,85 @@ class Flooder:
             if not isinstance(ack, HelloAck):
                 raise RuntimeError(f"flooder: expected HelloAck, got {ack!r}")
             burst = self.factor * ack.limits.max_in_flight_per_client
+            # A burst's answers outnumber the gateway's per-client send queue
+            # (client_send_hwm), and a client that leaves that many unread is a slow
+            # consumer: keep at most half of it unanswered, whatever the scheduling.
+            hwm = ack.limits.client_send_hwm
+            window = max(1, hwm // (2 * max(1, self.max_tokens))) if hwm else burst
             vocab = ack.model.vocab_size
             sampling = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
             serial = 0
             while not stop.is_set():
-                rids = [f"f{serial + i}" for i in range(1, burst + 1)]
-                serial += burst
-                # Replies are read while the burst goes out, as a real client reads: a
-                # burst's refusals outnumber the gateway's per-client send queue
-                # (client_send_hwm), and a client that reads none of them is a slow consumer.
-                pending = set(rids)
-                draining = asyncio.ensure_future(
-                    self._drain(sock, pending, deadline=time.monotonic() + 30)
-                )
-                try:
-                    # Malformed first: their refusals come before the last Generate's answer.
-                    for i in range(self.malformed_per_burst):
-                        await sock.send_multipart(_MALFORMED[i % len(_MALFORMED)])
-                    for k, rid in enumerate(rids):
-                        if k % 64 == 0:
-                            # A send that succeeds at once does not yield: let the
-                            # reader run.
-                            await asyncio.sleep(0)
-                        if self.invalid:
-                            prompt = [vocab] * self.prompt_len
-                        else:
-                            prompt = [self._rng.randrange(vocab) for _ in range(self.prompt_len)]
-                        await sock.send_multipart(encode(Generate(rid, prompt, False, sampling)))
-                    self.stats.generates_sent += burst
-                    self.stats.malformed_sent += self.malformed_per_burst
-                    self.stats.bursts += 1
-                    await draining
-                finally:
-                    draining.cancel()
+                # Malformed first: their refusals come before the last Generate's answer.
+                frames = [_MALFORMED[i % len(_MALFORMED)] for i in range(self.malformed_per_burst)]
+                for _ in range(burst):
+                    serial += 1
+                    if self.invalid:
+                        prompt = [vocab] * self.prompt_len
+                    else:
+                        prompt = [self._rng.randrange(vocab) for _ in range(self.prompt_len)]
+                    frames.append(encode(Generate(f"f{serial}", prompt, False, sampling)))
+                if not await self._send_burst(sock, frames, window, time.monotonic() + 30):
+                    break  # the gateway stopped answering: what was counted stands
+                self.stats.generates_sent += burst
+                self.stats.malformed_sent += self.malformed_per_burst
+                self.stats.bursts += 1
         finally:
             self.stats.seconds = time.monotonic() - started
             sock.close(0)
         return self.stats
 
+    async def _send_burst(
+        self, sock: zmq.asyncio.Socket, bursts: list[list[bytes]], window: int, deadline: float
+    ) -> bool:
+        """Send every frame with at most ``window`` unanswered, then read the rest of the
+        answers; False if the deadline passed first."""
+        for k, frames in enumerate(bursts):
+            while self._unanswered >= window:
+                if not await self._read(sock, deadline):
+                    return False
+            await sock.send_multipart(frames)
+            self._unanswered += 1
+            if k % 64 == 63:
+                # A send that succeeds at once does not yield: let the gateway run (it
+                # may share this loop) and take what it has answered so far.
+                await asyncio.sleep(0)
+                self._read_ready(sock)
+        while self._unanswered:
+            if not await self._read(sock, deadline):
+                return False
+        return True
+
     async def _next(self, sock: zmq.asyncio.Socket):  # noqa: ANN202 - ServerMessage
         return decode_server(await sock.recv_multipart())
 
-    async def _drain(self, sock: zmq.asyncio.Socket, pending: set[str], deadline: float) -> None:
-        """Read replies until every Generate of the burst is answered (or the deadline)."""
-        while pending and time.monotonic() < deadline:
-            try:
-                msg = await asyncio.wait_for(self._next(sock), deadline - time.monotonic())
-            except TimeoutError:
+    async def _read(self, sock: zmq.asyncio.Socket, deadline: float) -> bool:
+        """Wait for one reply, then take every reply already here; False at the deadline."""
+        try:
+            msg = await asyncio.wait_for(self._next(sock), deadline - time.monotonic())
+        except TimeoutError:
+            return False
+        self._count(msg)
+        self._read_ready(sock)
+        return True
+
+    def _read_ready(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            ready = sock.recv_multipart(zmq.NOBLOCK)  # done at once: a reply or Again
+            if ready.exception() is not None:
                 return
-            if isinstance(msg, Overloaded):
-                self.stats.overloaded += 1
-                pending.discard(msg.request_id)
-            elif isinstance(msg, Outputs):
-                for out in msg.outputs:
-                    if out.finished is not None:
-                        self.stats.accepted_finished += 1
-                        pending.discard(out.request_id)
-            elif isinstance(msg, Error):
-                self.stats.errors[msg.code.name] += 1
-                if msg.request_id is not None:
-                    pending.discard(msg.request_id)
+            self._count(decode_server(ready.result()))
+
+    def _count(self, msg) -> None:  # noqa: ANN001 - ServerMessage
+        """Tally one reply; a refusal or a request's final output answers one frame sent."""
+        if isinstance(msg, Overloaded):
+            self.stats.overloaded += 1
+            self._unanswered -= 1
+        elif isinstance(msg, Outputs):
+            for out in msg.outputs:
+                if out.finished is not None:
+                    self.stats.accepted_finished += 1
+                    self._unanswered -= 1
+        elif isinstance(msg, Error):
+            self.stats.errors[msg.code.name] += 1
+            self._unanswered -= 1

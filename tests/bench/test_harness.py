@@ -223,3 +223,26 @@ async def test_flooder_counts_overloaded_and_accepted_requests():
     assert stats.generates_sent == stats.bursts * 80 and answered == stats.generates_sent
     assert stats.accepted_finished >= stats.bursts * 8 and stats.overloaded > 0
     assert sum(stats.errors.values()) == stats.malformed_sent == stats.bursts * 8
+
+
+async def test_flooder_reads_every_refusal_however_small_the_send_queue():
+    """A burst of invalid Generates outnumbers the gateway's per-client send queue (8 frames)
+    eighty to one; the flooder keeps half of that queue's worth unanswered at most, so it is
+    never a slow consumer and sees every refusal (without the window it fails most runs)."""
+    from bench.flood import Flooder
+    from codec import ErrorCode
+    from gateway.fake_engine import FakeEngine
+
+    limits = GatewayLimits(max_in_flight_per_client=64, client_send_hwm=8)
+    async with running_gateway(FakeEngine(), limits) as gw:
+        flooder = Flooder(gw.addresses[0], factor=10, malformed_per_burst=8, invalid=True)
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(flooder.run(stop))
+        while flooder.stats.bursts < 3 and not task.done():
+            await asyncio.sleep(0.01)
+        stop.set()
+        stats = await asyncio.wait_for(task, 30)
+        assert gw.frames_dropped == 0 and gw.errors_by_code[ErrorCode.SLOW_CONSUMER] == 0
+    assert stats.bursts >= 3 and stats.generates_sent == stats.bursts * 640
+    assert stats.errors["INVALID_REQUEST"] == stats.generates_sent
+    assert sum(stats.errors.values()) == stats.generates_sent + stats.malformed_sent
