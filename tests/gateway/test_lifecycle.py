@@ -37,6 +37,7 @@ from tests.helpers import RecordingClient, TerminalLedger
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
+ENDLESS = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)  # max_model_len 2048
 
 
 async def wait_engine_idle(engine, timeout: float = 5.0) -> float:
@@ -303,7 +304,11 @@ async def test_clients_outlive_a_killed_and_restarted_gateway_then_an_engine_dea
         await asyncio.sleep(0.5)
         assert not waiting.done() and not waiting_sync.done()
         # 3. A supervisor restarts the gateway on the same address: both clients carry on.
-        second = gateway_process("--engine-dead-grace", "5", address=first.address)
+        # (--max-model-len 2048: step 4's requests must outlive the engine kill, however
+        # long a starved box takes to get there.)
+        second = gateway_process(
+            "--engine-dead-grace", "5", "--max-model-len", "2048", address=first.address
+        )
         async with asyncio.timeout(240):
             assert (await waiting).token_ids == reference
             assert (await waiting_sync).token_ids == reference
@@ -312,7 +317,7 @@ async def test_clients_outlive_a_killed_and_restarted_gateway_then_an_engine_dea
 
         async def one(i: int) -> ErrorCode:
             with pytest.raises(RequestFailed) as info:
-                async for _ in client.generate([i + 3], LONG):
+                async for _ in client.generate([i + 3], ENDLESS):
                     pass
             return info.value.code
 
