@@ -1,7 +1,10 @@
 """The embedded default model: a tiny random Llama, generated locally and cached.
 
 Rule: deterministic (fixed seed, fixed config), so every machine builds the
-same weights and greedy outputs are comparable across runs. No hub access.
+same weights and greedy outputs are comparable across runs. The weights are drawn
+here from a seeded generator, not by transformers' initializers, whose order and
+defaults change between releases (v1 did, and its outputs moved with them). No hub
+access.
 Two EOS ids (2 and 3) so that multi-EOS handling is always exercised.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = ["TINY_MODEL_CONFIG", "TINY_EOS_TOKEN_IDS", "default_cache_dir", "ensure_tiny_model"]
 
@@ -28,7 +32,7 @@ TINY_MODEL_CONFIG = dict(
     tie_word_embeddings=False,
     torch_dtype="bfloat16",
 )
-_VERSION = "v1"
+_VERSION = "v2"
 
 
 def default_cache_dir() -> Path:
@@ -50,9 +54,10 @@ def ensure_tiny_model(cache_dir: Path | None = None, weights_seed: int = 0) -> P
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(weights_seed)
     config = LlamaConfig(**TINY_MODEL_CONFIG)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    _draw_weights(model, weights_seed, std=config.initializer_range)
+    model = model.to(torch.bfloat16)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     GenerationConfig(
@@ -66,6 +71,21 @@ def ensure_tiny_model(cache_dir: Path | None = None, weights_seed: int = 0) -> P
 
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def _draw_weights(model: Any, seed: int, std: float) -> None:
+    """Every parameter from one seeded float64 stream, in name order: norm scales 1,
+    matrices normal(0, std), as transformers initializes a Llama."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+                param.copy_(drawn * std)
 
 
 if __name__ == "__main__":

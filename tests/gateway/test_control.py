@@ -49,8 +49,9 @@ async def client(small_gateway):
 
 
 async def test_pause_keep_then_resume_gives_the_unpaused_output(client):
-    reference = (await client.complete([3, 4, 5], greedy(80))).token_ids
-    run = asyncio.ensure_future(collect(client, [3, 4, 5], greedy(80), "kept"))
+    # 400 tokens: the run must still be going when the pause lands, however starved the box.
+    reference = (await client.complete([3, 4, 5], greedy(400))).token_ids
+    run = asyncio.ensure_future(collect(client, [3, 4, 5], greedy(400), "kept"))
     await until(lambda: tokens_so_far(client, "kept") >= 10)
     done = await client.pause("keep")
     assert done.operation == "pause" and (await client.health()).paused

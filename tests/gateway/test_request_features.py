@@ -31,6 +31,16 @@ def expected_cut(tokens, sequences, *, include=False, min_tokens=0, engine_stop_
     return tokens[:limit], None
 
 
+def first_seen_at(tokens, start, length):
+    """A slice of ``tokens`` of ``length`` from ``start`` or later that occurs nowhere earlier,
+    so a stop on it cuts exactly there whatever the model's output repeats."""
+    for i in range(start, len(tokens) - length + 1):
+        piece = tokens[i : i + length]
+        if all(tokens[j : j + length] != piece for j in range(i)):
+            return i, piece
+    pytest.fail(f"every {length}-token slice after {start} repeats an earlier one: {tokens}")
+
+
 def greedy(max_tokens: int, **extra) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
 
@@ -112,13 +122,14 @@ async def test_overlapping_partial_matches(client):
 
 
 async def test_the_engine_stops_at_the_match_not_at_max_tokens(client, real_gateway, vllm_engine):
-    reference = (await client.complete(PROMPT, greedy(16))).token_ids
+    reference = (await client.complete(PROMPT, greedy(40))).token_ids
+    cut, sequence = first_seen_at(reference, 5, 3)
     table = real_gateway.table
     for stream in (True, False):
         late_before = table.stats.late_outputs
-        sampling = greedy(400, stop_token_sequences=[reference[5:8]])
+        sampling = greedy(400, stop_token_sequences=[sequence])
         got = await collect(client, PROMPT, sampling, stream=stream)
-        assert got.token_ids == reference[:5] and got.finish_reason is FinishReason.STOP
+        assert got.token_ids == reference[:cut] and got.finish_reason is FinishReason.STOP
         async with asyncio.timeout(10):
             while await vllm_engine.has_unfinished_requests():
                 await asyncio.sleep(0.01)
@@ -144,11 +155,12 @@ async def test_min_tokens_eos_stop_ids_and_logprobs_combine_as_vllm_rules_say(cl
             assert got.token_ids == want
             assert got.stop_reason == (matched if matched is not None else stop_id)
     # Logprobs are cut with the tokens.
-    sampling = greedy(30, stop_token_sequences=[reference[12:14]], logprobs=2)
+    cut, sequence = first_seen_at(reference, 12, 2)
+    sampling = greedy(30, stop_token_sequences=[sequence], logprobs=2)
     for got in await both_ways(client, PROMPT, sampling, "lp"):
-        assert got.token_ids == reference[:12]
-        assert len(got.logprobs.ranks) == 12
-        assert [row[0] for row in got.logprobs.token_ids] == reference[:12]
+        assert got.token_ids == reference[:cut]
+        assert len(got.logprobs.ranks) == cut
+        assert [row[0] for row in got.logprobs.token_ids] == reference[:cut]
 
 
 async def test_stop_sequences_per_sample_with_n(client):
@@ -173,17 +185,17 @@ async def test_stop_sequences_per_sample_with_n(client):
 
 
 async def test_streaming_at_once_sends_the_match_and_the_client_trims(client):
-    reference = (await client.complete(PROMPT, greedy(20))).token_ids
-    sequences = [reference[8:11]]
-    sampling = greedy(20, stop_token_sequences=sequences, hold_back_stop_sequences=False)
+    reference = (await client.complete(PROMPT, greedy(40))).token_ids
+    cut, sequence = first_seen_at(reference, 8, 3)
+    sampling = greedy(40, stop_token_sequences=[sequence], hold_back_stop_sequences=False)
     raw = []
     async for out in client.generate(PROMPT, sampling, request_id="at-once"):
         raw.extend(out.new_token_ids)
         if out.finished is not None:
-            assert out.finished.output_tokens == 8
-    assert raw[:8] == reference[:8] and len(raw) >= 8  # sent before the match was known
+            assert out.finished.output_tokens == cut
+    assert raw[:cut] == reference[:cut] and len(raw) >= cut  # sent before the match was known
     got = await collect(client, PROMPT, sampling)  # the library trims to output_tokens
-    assert got.token_ids == reference[:8] and got.stop_reason == reference[8:11]
+    assert got.token_ids == reference[:cut] and got.stop_reason == sequence
 
 
 async def test_bad_stop_sequences_are_refused_with_their_reason(client, real_gateway):
