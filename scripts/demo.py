@@ -28,7 +28,9 @@ async def stream_one(
     tokens: list[int] = []
     reason = "?"
     async for out in client.generate(
-        prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        request_id=name,
     ):
         tokens.extend(out.new_token_ids)
         if out.finished is not None:
