@@ -37,7 +37,10 @@ from tests.helpers import RecordingClient, TerminalLedger
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
-ENDLESS = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)  # max_model_len 2048
+# Requests that outlive an engine kill however starved the box: on a gateway started with
+# --max-model-len ENDLESS_MAX_MODEL_LEN (the tests' default, 512, would end them sooner).
+ENDLESS_MAX_MODEL_LEN = 2048
+ENDLESS = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
 
 
 async def wait_engine_idle(engine, timeout: float = 5.0) -> float:
@@ -304,10 +307,13 @@ async def test_clients_outlive_a_killed_and_restarted_gateway_then_an_engine_dea
         await asyncio.sleep(0.5)
         assert not waiting.done() and not waiting_sync.done()
         # 3. A supervisor restarts the gateway on the same address: both clients carry on.
-        # (--max-model-len 2048: step 4's requests must outlive the engine kill, however
-        # long a starved box takes to get there.)
+        # (--max-model-len: step 4's ENDLESS requests must outlive the engine kill.)
         second = gateway_process(
-            "--engine-dead-grace", "5", "--max-model-len", "2048", address=first.address
+            "--engine-dead-grace",
+            "5",
+            "--max-model-len",
+            str(ENDLESS_MAX_MODEL_LEN),
+            address=first.address,
         )
         async with asyncio.timeout(240):
             assert (await waiting).token_ids == reference
