@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from client import AsyncClient
 from codec import Error, ErrorCode, Outputs, RequestOutput, ServerMessage
 from gateway.engine import EngineInfo
 from gateway.fake_engine import FakeEngine, FakeOutput
 from gateway.sessions import Effects, GatewayLimits, SessionTable
+from gateway.tiny_model import ensure_tiny_model
 
 FAKE_INFO = EngineInfo("fake", 256, 512, (2, 3), 5, 64)
+
+
+def tiny_model_variant(
+    folder: Path, *, config: dict | None = None, generation_config: dict | None = None
+) -> Path:
+    """A copy of the tiny model in ``folder``: ``config`` fields set in its config.json,
+    ``generation_config`` (if given) as its whole generation_config.json."""
+    shutil.copytree(ensure_tiny_model(), folder)
+    if config:
+        path = folder / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return folder
 
 
 @dataclass

@@ -21,6 +21,7 @@ from gateway.server import EXIT_ENGINE_DEAD
 from gateway.tiny_model import ensure_tiny_model
 from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
 from tests.gateway.test_lifecycle import CLIENT_SCRIPT, wait_client_gone
+from tests.helpers import tiny_model_variant
 from tests.offline_reference import run_offline_reference
 from tests.processes import ROOT
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.engine
 
 ONE_CORE_PER_RANK = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # ANCHORS.md: DP on CPU
 LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
+LONG_CONTEXT = 16384  # the engine-kill test's model and max_model_len
 GREEDY_CASES = [([5, 6, 7], 16), ([100, 200, 300, 400], 24)]
 
 
@@ -171,20 +173,30 @@ async def test_a_rank_out_of_range_is_refused_with_vllms_message(client):
 
 
 async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exits_3(
-    gateway_process,
+    gateway_process, tmp_path
 ):
     """In vLLM's DP the group dies with any engine: every live request, on either rank,
     gets ENGINE_DEAD and the gateway exits 3 for its supervisor."""
+    # vLLM stops the surviving rank seconds after the kill (CI: 2-6 s), and on a fast box
+    # rank 1 streams ~900 tokens/s: a 2000-token stream started at the kill could complete
+    # first. The tiny model with a 16k context gives streams that outlive the group.
+    long_model = tiny_model_variant(
+        tmp_path / "tiny-llama-16k", config={"max_position_embeddings": LONG_CONTEXT}
+    )
     gw = gateway_process(
+        str(long_model),
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
         "--data-parallel-size",
         "2",
         "--engine-stats",
         "--control-open",
         "--max-model-len",  # overrides the test default: requests outlive the kill
-        "2048",
+        str(LONG_CONTEXT),
         env=ONE_CORE_PER_RANK,
     )
-    endless = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    endless = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
     # Both cores run an engine flat out here: a patient heartbeat (the default 1 s
     # interval times out after 3 s of a starved process).
     patient = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
@@ -215,8 +227,8 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         assert [e.in_flight for e in engines] == [1, 2]
         stats = await client.stats()
         assert [(e.engine_index, e.running) for e in stats.engines] == [(0, 1), (1, 2)]
-        # On a starved box the checks above can take as long as a 2000-token stream: a
-        # fresh one on rank 1, running when the kill comes, is certain to outlive it.
+        # On a starved box the checks above can take as long as a long stream: a fresh
+        # one on rank 1, running when the kill comes, is certain to outlive the group.
         tasks.append(asyncio.ensure_future(doomed(1, firsts[3])))
         async with asyncio.timeout(60):
             await asyncio.gather(*(first.wait() for first in firsts))
@@ -232,7 +244,7 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         # The older rank-1 streams: ENGINE_DEAD, or every token before vLLM stopped the
         # group (a request that completed is not a live one); never an ABORT or a cut.
         for how, tokens, _ in ends[1:3]:
-            assert how == "ENGINE_DEAD" or (how, tokens) == ("LENGTH", 2000), seen
+            assert how == "ENGINE_DEAD" or (how, tokens) == ("LENGTH", endless.max_tokens), seen
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
 

@@ -9,15 +9,13 @@ own computation: vLLM's engine would otherwise fill the context.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from client import AsyncClient, FinishReason, SamplingParams
-from gateway.tiny_model import ensure_tiny_model
 from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
+from tests.helpers import tiny_model_variant
 from tests.offline_reference import run_offline_reference
 
 pytestmark = pytest.mark.engine
@@ -41,9 +39,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def defaults_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("defaults") / "tiny-llama-with-defaults"
-    shutil.copytree(ensure_tiny_model(), path)
-    (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
-    return path
+    return tiny_model_variant(path, generation_config=GENERATION_CONFIG)
 
 
 @pytest.fixture(scope="module")
