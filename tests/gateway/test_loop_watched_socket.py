@@ -254,7 +254,7 @@ def test_any_schedule_of_bursts_and_pauses_arrives_whole_and_in_order(
 
 @contextlib.asynccontextmanager
 async def router_and_dealer(
-    **router_options: int,
+    dealer_rcvhwm: int | None = None, **router_options: int
 ) -> AsyncIterator[tuple[LoopWatchedSocket, zmq.Socket]]:
     """A watched ROUTER adopted with sends=True and a plain DEALER (identity b"peer")
     connected and known to it; both closed on exit."""
@@ -268,6 +268,8 @@ async def router_and_dealer(
     router.bind(address)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, b"peer")
+    if dealer_rcvhwm is not None:
+        dealer.setsockopt(zmq.RCVHWM, dealer_rcvhwm)
     dealer.connect(address)
     try:
         dealer.send(b"hello")
@@ -301,16 +303,24 @@ def test_a_send_that_takes_a_new_frames_edge_still_wakes_the_waiting_receive(loo
 
 def test_send_nowait_returns_errors_and_pyzmqs_own_sends_are_refused(loop_name):
     async def scenario() -> None:
-        async with router_and_dealer(SNDHWM=4) as (router, dealer):
+        # The peer does not read. Its queue holds one message and the kernel's socket
+        # buffer a few of these 64 kB ones (tiny frames could fill that buffer's
+        # hundreds of kB only as fast as zmq's I/O threads move them: CI once sent
+        # 5000 without an Again).
+        async with router_and_dealer(dealer_rcvhwm=1, SNDHWM=4) as (router, dealer):
             error = router.send_nowait([b"nobody", b"x"])
             assert isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH
-            errors = [router.send_nowait([b"peer", b"%d" % i]) for i in range(5000)]
+            errors = []
+            for i in range(5000):
+                errors.append(router.send_nowait([b"peer", b"%d|" % i + bytes(65536)]))
+                if errors[-1] is not None:
+                    break
             assert errors[0] is None and isinstance(errors[-1], zmq.Again)  # not reading
             for send in (router.send, router.send_multipart):
                 with pytest.raises(TypeError, match="send_nowait"):
                     send([b"peer", b"x"])
-            assert dealer.recv() == b"0"  # what was accepted is delivered, in order
-            assert dealer.recv() == b"1"
+            # What was accepted is delivered, in order.
+            assert dealer.recv().startswith(b"0|") and dealer.recv().startswith(b"1|")
 
     run_on(loop_name, scenario)
     actx = zmq.asyncio.Context()
