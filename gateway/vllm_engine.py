@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 import threading
@@ -130,30 +131,33 @@ class EngineGroup:
     coordinator: Any
     _stopped: bool = False
 
-    def sentinels(self) -> list[Any]:
-        """Process sentinels of the local engines and the coordinator."""
-        found = list(self.engine_manager.sentinels()) if self.engine_manager else []
+    def processes(self) -> list[Any]:
+        """The local engine processes and the coordinator's (multiprocessing objects)."""
+        # Ray-managed engines (vLLM's Ray DP backend) are actors, not processes here.
+        found = list(getattr(self.engine_manager, "processes", None) or [])
         if self.coordinator is not None:
-            found.append(self.coordinator.proc.sentinel)
+            found.append(self.coordinator.proc)
         return found
 
     def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(name)`` (from a thread) when an engine or the coordinator exits."""
+        """Call ``on_death(name)`` (from a thread) when an engine or the coordinator exits
+        before ``shutdown``; a caller that stops them otherwise ignores that exit."""
+        by_sentinel = {process.sentinel: process for process in self.processes()}
+        if not by_sentinel:
+            return
 
         def monitor() -> None:
-            ready = connection.wait(self.sentinels())
-            if ready and not self._stopped:
-                on_death(self._failed_name())
+            try:
+                ready = connection.wait(list(by_sentinel))
+            except (OSError, ValueError):  # vLLM closed a process object meanwhile
+                return
+            if not ready or self._stopped:
+                return
+            process = by_sentinel[ready[0]]
+            process.join(0.1)  # vLLM's own monitor may be reaping it this very moment
+            on_death(f"{process.name} (exit status {process.exitcode})")
 
         threading.Thread(target=monitor, name="engine-group-monitor", daemon=True).start()
-
-    def _failed_name(self) -> str:
-        if self.engine_manager is not None:
-            for name, code in self.engine_manager.finished_procs().items():
-                return f"{name} (exit status {code})"
-        if self.coordinator is not None and self.coordinator.proc.exitcode is not None:
-            return f"DP coordinator (exit status {self.coordinator.proc.exitcode})"
-        return "an engine process"
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -347,6 +351,7 @@ class VllmEngine:
             raise
         for i, (name, path) in enumerate((lora_modules or {}).items(), start=1):
             engine._lora_modules[name] = (i, path)
+        engine._watch_engine_processes(asyncio.get_running_loop())
         return engine
 
     # ------------------------------------------------------------ Engine Protocol
@@ -600,6 +605,35 @@ class VllmEngine:
             return True
         stopped = getattr(resources.engine_manager, "manager_stopped", None)
         return stopped is not None and stopped.is_set() and not self._closed
+
+    def _watch_engine_processes(self, loop: asyncio.AbstractEventLoop) -> None:
+        """When this process started the engines (and vLLM's DP coordinator), end every
+        request with EngineDead the moment one of them exits.
+
+        vLLM's own monitor marks the client dead only after it has stopped the surviving
+        engines (up to its 5 s shutdown timeout; 6.5 s seen in CI), and it does not watch
+        the DP coordinator at all, without which the engines' load is no longer reported.
+        The gateways of ``serve --gateway-count N`` get the same from their supervisor
+        (``mark_dead``)."""
+        resources = self._client.resources
+        # None when the engines were started elsewhere (a supervisor, headless nodes).
+        group = EngineGroup(
+            getattr(resources, "engine_manager", None), getattr(resources, "coordinator", None)
+        )
+
+        def on_death(name: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the gateway ended
+                loop.call_soon_threadsafe(self._on_engine_process_exit, name)
+
+        group.watch(on_death)
+
+    def _on_engine_process_exit(self, name: str) -> None:
+        if self._closed:
+            return  # the gateway's own shutdown stopped the engines
+        logger.error("%s exited: ending every request with ENGINE_DEAD", name)
+        queue = getattr(self._client, "outputs_queue", None)
+        if queue is not None:  # run_outputs / get_output raise it
+            queue.put_nowait(EngineDead(f"{name} exited unexpectedly"))
 
     def mark_dead(self) -> None:
         """The engines died where this process cannot see them (a supervisor saw it):

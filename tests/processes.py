@@ -42,14 +42,18 @@ class Process:
             return psutil.Process(self.proc.pid).children(recursive=True)
         return []
 
-    def engine_core_pids(self) -> list[int]:
-        """vLLM EngineCore processes under this one (named EngineCore or EngineCore_DP<r>)."""
+    def pids_named(self, fragment: str) -> list[int]:
+        """Processes under this one whose name or command line contains ``fragment``."""
         pids = []
         for child in self.descendants():
             with contextlib.suppress(psutil.NoSuchProcess):
-                if "EngineCore" in " ".join([*child.cmdline(), child.name()]):
+                if fragment in " ".join([*child.cmdline(), child.name()]):
                     pids.append(child.pid)
         return pids
+
+    def engine_core_pids(self) -> list[int]:
+        """vLLM EngineCore processes under this one (named EngineCore or EngineCore_DP<r>)."""
+        return self.pids_named("EngineCore")
 
     def output(self) -> str:
         self.log.seek(0)

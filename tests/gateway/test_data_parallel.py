@@ -177,9 +177,10 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
 ):
     """In vLLM's DP the group dies with any engine: every live request, on either rank,
     gets ENGINE_DEAD and the gateway exits 3 for its supervisor."""
-    # vLLM stops the surviving rank seconds after the kill (CI: 2-6 s), and on a fast box
-    # rank 1 streams ~900 tokens/s: a 2000-token stream started at the kill could complete
-    # first. The tiny model with a 16k context gives streams that outlive the group.
+    # The gateway sees the kill at once (it watches the engine processes), but on a starved
+    # box that can still take seconds while rank 1 streams ~900 tokens/s: a 2000-token
+    # stream started at the kill could complete first. The tiny model with a 16k context
+    # gives streams that outlive the group.
     long_model = tiny_model_variant(
         tmp_path / "tiny-llama-16k", config={"max_position_embeddings": LONG_CONTEXT}
     )
@@ -245,6 +246,48 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         # group (a request that completed is not a live one); never an ABORT or a cut.
         for how, tokens, _ in ends[1:3]:
             assert how == "ENGINE_DEAD" or (how, tokens) == ("LENGTH", endless.max_tokens), seen
+    code = await asyncio.to_thread(gw.proc.wait, 60)
+    assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
+
+
+async def test_a_killed_dp_coordinator_ends_every_request_with_engine_dead_and_exits_3(
+    gateway_process, tmp_path
+):
+    """vLLM's engine client does not watch its DP coordinator (without it no rank's load
+    is reported, and MoE ranks cannot keep in step); the gateway does, and treats its
+    death as the engines' (as the supervisor of --gateway-count N does): the live streams
+    on both ranks end with ENGINE_DEAD naming it, and the gateway exits 3."""
+    long_model = tiny_model_variant(
+        tmp_path / "tiny-llama-16k", config={"max_position_embeddings": LONG_CONTEXT}
+    )
+    gw = gateway_process(
+        str(long_model),
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--data-parallel-size",
+        "2",
+        "--max-model-len",
+        str(LONG_CONTEXT),
+        env=ONE_CORE_PER_RANK,
+    )
+    endless = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
+    patient = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
+    async with AsyncClient(gw.address, name="dp", **patient) as client:
+        streams = [client.generate([7], endless, options=pinned(rank)) for rank in (0, 1)]
+        async with asyncio.timeout(60):
+            for stream in streams:
+                await anext(stream)  # both running
+        coordinators = gw.pids_named("DPCoordinator")
+        assert len(coordinators) == 1, gw.output()[-2000:]
+        os.kill(coordinators[0], signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(RequestFailed) as failed:
+                async with asyncio.timeout(60):
+                    async for frame in stream:
+                        assert frame.finished is None, frame  # never LENGTH: it outlives this
+            assert failed.value.code is ErrorCode.ENGINE_DEAD
+            assert "VLLM_DP_Coordinator" in str(failed.value), failed.value
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
 

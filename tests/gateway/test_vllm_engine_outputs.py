@@ -1,10 +1,16 @@
 """VllmEngine.run_outputs against a stand-in for vLLM's client (its outputs queue and
-exception formatting only): the hand-over rules, without an engine. The real engine's
-output task is pinned in test_vllm_engine.py."""
+exception formatting only): the hand-over rules, without an engine, and the watch on the
+engine processes (real child processes standing in for engines). The real engine's output
+task is pinned in test_vllm_engine.py, its death in test_data_parallel.py."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -113,3 +119,57 @@ async def test_a_client_without_a_plain_queue_is_pulled_from_instead():
     with pytest.raises(EngineDead, match="enough"):
         await asyncio.wait_for(engine.run_outputs(on_step), 5)
     assert seen == ["pulled", "pulled"]
+
+
+def sleep_forever() -> None:
+    time.sleep(600)
+
+
+@pytest.fixture
+def engine_processes():
+    """Two spawned processes standing in for an engine and a DP coordinator."""
+    spawn = multiprocessing.get_context("spawn")
+    started = [spawn.Process(target=sleep_forever, name=n) for n in ("EngineCore_DP0", "Coord")]
+    for process in started:
+        process.start()
+    yield started
+    for process in started:
+        process.kill()
+        process.join(10)
+
+
+def watched(engine_processes) -> tuple[StandInClient, VllmEngine]:
+    client = StandInClient()
+    engine_core, coordinator = engine_processes
+    client.resources.engine_manager = SimpleNamespace(processes=[engine_core])
+    client.resources.coordinator = SimpleNamespace(proc=coordinator)
+    engine = engine_on(client)
+    engine._watch_engine_processes(asyncio.get_running_loop())
+    return client, engine
+
+
+@pytest.mark.parametrize("dies", [0, 1], ids=["engine", "coordinator"])
+async def test_an_engine_or_coordinator_exit_ends_the_call_as_engine_death_naming_it(
+    engine_processes, dies
+):
+    client, engine = watched(engine_processes)
+    runner = asyncio.ensure_future(engine.run_outputs(lambda outputs: None))
+    await asyncio.sleep(0)
+    client.outputs_queue.put_nowait(step("a"))
+    doomed = engine_processes[dies]
+    os.kill(doomed.pid, signal.SIGKILL)
+    with pytest.raises(EngineDead, match=rf"{doomed.name} \(exit status -9\) exited"):
+        await asyncio.wait_for(runner, 10)
+
+
+async def test_exits_after_the_gateway_closed_the_engine_are_not_deaths(engine_processes):
+    client, engine = watched(engine_processes)
+    runner = asyncio.ensure_future(engine.run_outputs(lambda outputs: None))
+    await asyncio.sleep(0)
+    engine._closed = True  # as aclose() sets it before vLLM stops the engines
+    engine_processes[0].kill()
+    monitors = [t for t in threading.enumerate() if t.name == "engine-group-monitor"]
+    await asyncio.to_thread(lambda: [t.join(10) for t in monitors])
+    await asyncio.sleep(0.05)  # the watcher's call, had it made one, has run by now
+    assert not runner.done()
+    runner.cancel()
