@@ -294,6 +294,7 @@ class VllmEngine:
         self.weight_version: str | None = None  # of the latest step returned
         self._prefix_counts: dict[int, tuple[int, int]] = {}
         self._closed = False
+        self._watched: list[tuple[asyncio.AbstractEventLoop, int]] = []  # engine sentinels
         generation_config = model_config.try_get_generation_config() or {}
         eos = generation_config.get("eos_token_id", model_config.hf_config.eos_token_id)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -611,25 +612,35 @@ class VllmEngine:
         request with EngineDead the moment one of them exits.
 
         vLLM's own monitor marks the client dead only after it has stopped the surviving
-        engines (up to its 5 s shutdown timeout; 6.5 s seen in CI), and it does not watch
-        the DP coordinator at all, without which the engines' load is no longer reported.
-        The gateways of ``serve --gateway-count N`` get the same from their supervisor
-        (``mark_dead``)."""
+        engines (up to its 5 s shutdown timeout), and it does not watch the DP coordinator
+        at all, without which the engines' load is no longer reported. The event loop
+        watches the process sentinels itself: a watching thread (as vLLM's) can wait for
+        the GIL for as long as the loop stays busy streaming (CI saw 30-45 s). The gateways
+        of ``serve --gateway-count N`` get the same from their supervisor (``mark_dead``)."""
         resources = self._client.resources
         # None when the engines were started elsewhere (a supervisor, headless nodes).
         group = EngineGroup(
             getattr(resources, "engine_manager", None), getattr(resources, "coordinator", None)
         )
+        for process in group.processes():
+            loop.add_reader(process.sentinel, self._on_engine_process_exit, process)
+            self._watched.append((loop, process.sentinel))
 
-        def on_death(name: str) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the gateway ended
-                loop.call_soon_threadsafe(self._on_engine_process_exit, name)
+    def _stop_watching(self) -> None:
+        for loop, sentinel in self._watched:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):  # loop closed
+                loop.remove_reader(sentinel)
+        self._watched.clear()
 
-        group.watch(on_death)
-
-    def _on_engine_process_exit(self, name: str) -> None:
+    def _on_engine_process_exit(self, process: Any) -> None:
+        self._stop_watching()
         if self._closed:
             return  # the gateway's own shutdown stopped the engines
+        # Its pipes close just before it can be reaped (and vLLM's monitor thread may be
+        # reaping it): a moment for its exit status, once, as everything ends anyway.
+        process.join(0.1)
+        code = process.exitcode
+        name = process.name if code is None else f"{process.name} (exit status {code})"
         logger.error("%s exited: ending every request with ENGINE_DEAD", name)
         queue = getattr(self._client, "outputs_queue", None)
         if queue is not None:  # run_outputs / get_output raise it
@@ -653,6 +664,7 @@ class VllmEngine:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            self._stop_watching()
             self._client.shutdown()
 
     async def has_unfinished_requests(self) -> bool:

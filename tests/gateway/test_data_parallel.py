@@ -29,7 +29,7 @@ pytestmark = pytest.mark.engine
 
 ONE_CORE_PER_RANK = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # ANCHORS.md: DP on CPU
 LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
-LONG_CONTEXT = 16384  # the engine-kill test's model and max_model_len
+LONG_CONTEXT = 16384  # the kill tests' model and max_model_len
 GREEDY_CASES = [([5, 6, 7], 16), ([100, 200, 300, 400], 24)]
 
 
@@ -172,36 +172,42 @@ async def test_a_rank_out_of_range_is_refused_with_vllms_message(client):
     assert "out of range" in str(info.value)
 
 
-async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exits_3(
-    gateway_process, tmp_path
-):
-    """In vLLM's DP the group dies with any engine: every live request, on either rank,
-    gets ENGINE_DEAD and the gateway exits 3 for its supervisor."""
-    # The gateway sees the kill at once (it watches the engine processes), but on a starved
-    # box that can still take seconds while rank 1 streams ~900 tokens/s: a 2000-token
-    # stream started at the kill could complete first. The tiny model with a 16k context
-    # gives streams that outlive the group.
+# Streams that outlive an engine group killed under them. The gateway sees a death at
+# once (it watches the engine processes), but on a starved box that can take seconds while
+# rank 1 streams ~900 tokens/s: a 2000-token stream started at the kill could complete
+# first. The tiny model with a 16k context gives streams that outlive the group.
+ENDLESS = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
+# Both cores run an engine flat out there: a patient heartbeat (the default 1 s interval
+# times out after 3 s of a starved process).
+PATIENT = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
+
+
+def doomed_dp_gateway(gateway_process, tmp_path, *extra: str):
+    """A DP=2 gateway process on a 16k-context copy of the tiny model, for ENDLESS."""
     long_model = tiny_model_variant(
         tmp_path / "tiny-llama-16k", config={"max_position_embeddings": LONG_CONTEXT}
     )
-    gw = gateway_process(
+    return gateway_process(
         str(long_model),
         "--enforce-eager",
         "--gpu-memory-utilization",
         "0.2",
         "--data-parallel-size",
         "2",
-        "--engine-stats",
-        "--control-open",
         "--max-model-len",  # overrides the test default: requests outlive the kill
         str(LONG_CONTEXT),
+        *extra,
         env=ONE_CORE_PER_RANK,
     )
-    endless = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
-    # Both cores run an engine flat out here: a patient heartbeat (the default 1 s
-    # interval times out after 3 s of a starved process).
-    patient = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
-    async with AsyncClient(gw.address, name="dp", **patient) as client:
+
+
+async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exits_3(
+    gateway_process, tmp_path
+):
+    """In vLLM's DP the group dies with any engine: every live request, on either rank,
+    gets ENGINE_DEAD and the gateway exits 3 for its supervisor."""
+    gw = doomed_dp_gateway(gateway_process, tmp_path, "--engine-stats", "--control-open")
+    async with AsyncClient(gw.address, name="dp", **PATIENT) as client:
         short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         results = [await client.complete([5, 6], short, options=pinned(r)) for r in (0, 1)]
         assert results[0].token_ids == results[1].token_ids  # same weights on both ranks
@@ -213,7 +219,7 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
             """How the stream ended: the error code or finish reason, tokens, seconds."""
             tokens = 0
             try:
-                async for frame in client.generate([7 + rank], endless, options=pinned(rank)):
+                async for frame in client.generate([7 + rank], ENDLESS, options=pinned(rank)):
                     tokens += len(frame.new_token_ids)
                     first_token.set()
                     ending = frame.finished.finish_reason.name if frame.finished else "none"
@@ -245,7 +251,7 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         # The older rank-1 streams: ENGINE_DEAD, or every token before vLLM stopped the
         # group (a request that completed is not a live one); never an ABORT or a cut.
         for how, tokens, _ in ends[1:3]:
-            assert how == "ENGINE_DEAD" or (how, tokens) == ("LENGTH", endless.max_tokens), seen
+            assert how == "ENGINE_DEAD" or (how, tokens) == ("LENGTH", ENDLESS.max_tokens), seen
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
 
@@ -257,24 +263,9 @@ async def test_a_killed_dp_coordinator_ends_every_request_with_engine_dead_and_e
     is reported, and MoE ranks cannot keep in step); the gateway does, and treats its
     death as the engines' (as the supervisor of --gateway-count N does): the live streams
     on both ranks end with ENGINE_DEAD naming it, and the gateway exits 3."""
-    long_model = tiny_model_variant(
-        tmp_path / "tiny-llama-16k", config={"max_position_embeddings": LONG_CONTEXT}
-    )
-    gw = gateway_process(
-        str(long_model),
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.2",
-        "--data-parallel-size",
-        "2",
-        "--max-model-len",
-        str(LONG_CONTEXT),
-        env=ONE_CORE_PER_RANK,
-    )
-    endless = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
-    patient = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
-    async with AsyncClient(gw.address, name="dp", **patient) as client:
-        streams = [client.generate([7], endless, options=pinned(rank)) for rank in (0, 1)]
+    gw = doomed_dp_gateway(gateway_process, tmp_path)
+    async with AsyncClient(gw.address, name="dp", **PATIENT) as client:
+        streams = [client.generate([7], ENDLESS, options=pinned(rank)) for rank in (0, 1)]
         async with asyncio.timeout(60):
             for stream in streams:
                 await anext(stream)  # both running

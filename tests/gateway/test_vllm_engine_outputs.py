@@ -9,7 +9,6 @@ import asyncio
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from types import SimpleNamespace
 
@@ -32,6 +31,7 @@ def engine_on(client: StandInClient) -> VllmEngine:
     engine = VllmEngine.__new__(VllmEngine)  # no vLLM config: only the output path
     engine._client = client
     engine._closed = False
+    engine._watched = []
     engine._stats = {}
     engine.weight_version = None
     return engine
@@ -168,8 +168,9 @@ async def test_exits_after_the_gateway_closed_the_engine_are_not_deaths(engine_p
     await asyncio.sleep(0)
     engine._closed = True  # as aclose() sets it before vLLM stops the engines
     engine_processes[0].kill()
-    monitors = [t for t in threading.enumerate() if t.name == "engine-group-monitor"]
-    await asyncio.to_thread(lambda: [t.join(10) for t in monitors])
-    await asyncio.sleep(0.05)  # the watcher's call, had it made one, has run by now
+    async with asyncio.timeout(10):
+        while engine._watched:  # the watch ends at the first exit
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
     assert not runner.done()
     runner.cancel()
