@@ -3,10 +3,11 @@
 Supported vLLM: 0.32.x (``SUPPORTED_VLLM``); the internals used here are
 InputProcessor, EngineCoreClient.make_async_mp_client (and its client's engine-output
 socket, which the gateway receives from through ``LoopWatchedSocket``, and its outputs
-queue, whose ``put_nowait`` ``run_outputs`` shadows to take each step inline), SamplingParams,
-EngineCoreRequest/Output and the engine-argument parser. Validation and
-defaults are vLLM's own: requests go through vLLM's InputProcessor, sampling
-defaults come from the model's generation config as in vLLM's OpenAI server.
+queue, whose ``put_nowait`` ``run_outputs`` shadows to take each step inline, and the engine
+and DP-coordinator process objects it started, whose sentinels the event loop watches),
+SamplingParams, EngineCoreRequest/Output and the engine-argument parser. Validation and
+defaults are vLLM's own: requests go through vLLM's InputProcessor, sampling defaults come
+from the model's generation config as in vLLM's OpenAI server.
 """
 
 from __future__ import annotations
