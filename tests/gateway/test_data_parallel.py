@@ -246,11 +246,13 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         async with asyncio.timeout(60):
             ends = await asyncio.gather(*tasks)
         seen = f"killed at {killed_at} s; streams (how, tokens, s): {ends}"
-        # The killed rank's stream and the fresh one cannot have finished: ENGINE_DEAD.
-        assert [ends[0][0], ends[3][0]] == ["ENGINE_DEAD"] * 2, seen
-        # The older rank-1 streams: ENGINE_DEAD, or every token before vLLM stopped the
-        # group (a request that completed is not a live one); never an ABORT or a cut.
-        for how, tokens, _ in ends[1:3]:
+        # The killed rank's stream cannot have finished: ENGINE_DEAD.
+        assert ends[0][0] == "ENGINE_DEAD", seen
+        # Rank 1's streams: ENGINE_DEAD, or every token before the death reached the
+        # gateway (a request that completed is not a live one); never an ABORT or a cut.
+        # Mostly ENGINE_DEAD within ms; in some CI runs the killed process's sentinel
+        # closed only once rank 1 went idle (vLLM's own monitor saw it then too).
+        for how, tokens, _ in ends[1:]:
             assert how == "ENGINE_DEAD" or (how, tokens) == ("LENGTH", ENDLESS.max_tokens), seen
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
@@ -262,25 +264,29 @@ async def test_a_killed_dp_coordinator_ends_every_request_with_engine_dead_and_e
     """vLLM's engine client does not watch its DP coordinator (without it no rank's load
     is reported, and MoE ranks cannot keep in step); the gateway does, and treats its
     death as the engines' (as the supervisor of --gateway-count N does): the live streams
-    on both ranks end with ENGINE_DEAD naming it, and the gateway exits 3."""
+    on both ranks end with ENGINE_DEAD naming it (or complete first, as in the engine-kill
+    test), and the gateway exits 3."""
     gw = doomed_dp_gateway(gateway_process, tmp_path)
     async with AsyncClient(gw.address, name="dp", **PATIENT) as client:
         streams = [client.generate([7], ENDLESS, options=pinned(rank)) for rank in (0, 1)]
-        async with asyncio.timeout(60):
-            for stream in streams:
-                await anext(stream)  # both running
+        async with asyncio.timeout(60):  # both running
+            firsts = [len((await anext(stream)).new_token_ids) for stream in streams]
         coordinators = gw.pids_named("DPCoordinator")
         assert len(coordinators) == 1, gw.output()[-2000:]
         os.kill(coordinators[0], signal.SIGKILL)
-        for stream in streams:
-            with pytest.raises(RequestFailed) as failed:
+        for stream, tokens in zip(streams, firsts, strict=True):
+            try:
                 async with asyncio.timeout(60):
                     async for frame in stream:
-                        assert frame.finished is None, frame  # never LENGTH: it outlives this
-            assert failed.value.code is ErrorCode.ENGINE_DEAD
-            assert "VLLM_DP_Coordinator" in str(failed.value), failed.value
+                        tokens += len(frame.new_token_ids)
+                        ending = frame.finished
+                assert (ending.finish_reason.name, tokens) == ("LENGTH", ENDLESS.max_tokens)
+            except RequestFailed as failed:
+                assert failed.code is ErrorCode.ENGINE_DEAD, failed
+                assert "VLLM_DP_Coordinator (exit status -9) exited" in str(failed), failed
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
+    assert "VLLM_DP_Coordinator (exit status -9) exited unexpectedly" in gw.output()
 
 
 def free_tcp_port() -> int:
