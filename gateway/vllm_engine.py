@@ -615,8 +615,7 @@ class VllmEngine:
         vLLM's own monitor marks the client dead only after it has stopped the surviving
         engines (up to its 5 s shutdown timeout), and it does not watch the DP coordinator
         at all, without which the engines' load is no longer reported. The event loop
-        watches the process sentinels itself: a watching thread (as vLLM's) can wait for
-        the GIL for as long as the loop stays busy streaming (CI saw 30-45 s). The gateways
+        watches the process sentinels itself (no thread, nothing to hand over). The gateways
         of ``serve --gateway-count N`` get the same from their supervisor (``mark_dead``)."""
         resources = self._client.resources
         # None when the engines were started elsewhere (a supervisor, headless nodes).
