@@ -4,7 +4,7 @@ Supported vLLM: 0.32.x (``SUPPORTED_VLLM``); the internals used here are
 InputProcessor, EngineCoreClient.make_async_mp_client (and its client's engine-output
 socket, which the gateway receives from through ``LoopWatchedSocket``, and its outputs
 queue, whose ``put_nowait`` ``run_outputs`` shadows to take each step inline, and the engine
-and DP-coordinator process objects it started, whose sentinels the event loop watches),
+and DP-coordinator process objects it started, whose sentinels and pids the loop watches),
 SamplingParams, EngineCoreRequest/Output and the engine-argument parser. Validation and
 defaults are vLLM's own: requests go through vLLM's InputProcessor, sampling defaults come
 from the model's generation config as in vLLM's OpenAI server.
@@ -19,7 +19,7 @@ import importlib.metadata
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from copy import copy
 from dataclasses import dataclass
 from multiprocessing import connection
@@ -31,6 +31,7 @@ from codec import SamplingParams as WireSamplingParams
 from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
 from .errors import EngineDead, RequestRejected, SubmitFailed
 from .loop_watched_socket import LoopWatchedSocket
+from .process_exit import EXIT_POLL_S, exit_status
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -123,6 +124,21 @@ def engine_config(engine_args: Any, gateway_count: int = 1, gateway_index: int =
     return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
 
 
+def exiting(processes: Iterable[Any]) -> list[Any]:
+    """The processes (multiprocessing objects) whose main thread has begun to exit, though
+    their sentinels may not show it yet (process_exit.py)."""
+    return [process for process in processes if exit_status(process.pid) is not None]
+
+
+def describe_exit(process: Any) -> str:
+    """``process``'s name and exit status, for the log and ENGINE_DEAD's message."""
+    code = exit_status(process.pid)  # also while its last thread lingers
+    if code is None:  # reaped already (vLLM's monitor thread may be reaping it now)
+        process.join(0.1)
+        code = process.exitcode
+    return process.name if code is None else f"{process.name} (exit status {code})"
+
+
 @dataclass
 class EngineGroup:
     """Engines (and vLLM's DP coordinator) started for several gateway processes, as
@@ -148,15 +164,15 @@ class EngineGroup:
             return
 
         def monitor() -> None:
-            try:
-                ready = connection.wait(list(by_sentinel))
-            except (OSError, ValueError):  # vLLM closed a process object meanwhile
-                return
-            if not ready or self._stopped:
-                return
-            process = by_sentinel[ready[0]]
-            process.join(0.1)  # vLLM's own monitor may be reaping it this very moment
-            on_death(f"{process.name} (exit status {process.exitcode})")
+            exited: list[Any] = []
+            while not exited and not self._stopped:
+                try:
+                    ready = connection.wait(list(by_sentinel), timeout=EXIT_POLL_S)
+                except (OSError, ValueError):  # vLLM closed a process object meanwhile
+                    return
+                exited = [by_sentinel[s] for s in ready] or exiting(by_sentinel.values())
+            if exited and not self._stopped:
+                on_death(describe_exit(exited[0]))
 
         threading.Thread(target=monitor, name="engine-group-monitor", daemon=True).start()
 
@@ -296,6 +312,7 @@ class VllmEngine:
         self._prefix_counts: dict[int, tuple[int, int]] = {}
         self._closed = False
         self._watched: list[tuple[asyncio.AbstractEventLoop, int]] = []  # engine sentinels
+        self._exit_poll: asyncio.TimerHandle | None = None
         generation_config = model_config.try_get_generation_config() or {}
         eos = generation_config.get("eos_token_id", model_config.hf_config.eos_token_id)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -610,37 +627,50 @@ class VllmEngine:
 
     def _watch_engine_processes(self, loop: asyncio.AbstractEventLoop) -> None:
         """When this process started the engines (and vLLM's DP coordinator), end every
-        request with EngineDead the moment one of them exits.
+        request with EngineDead as soon as one of them exits.
 
         vLLM's own monitor marks the client dead only after it has stopped the surviving
-        engines (up to its 5 s shutdown timeout), and it does not watch the DP coordinator
-        at all, without which the engines' load is no longer reported. The event loop
-        watches the process sentinels itself (no thread, nothing to hand over). The gateways
-        of ``serve --gateway-count N`` get the same from their supervisor (``mark_dead``)."""
+        engines (up to its 5 s shutdown timeout) and once the dead process's pipes close,
+        which can trail a kill by tens of seconds (process_exit.py); it does not watch the
+        DP coordinator at all, without which the engines' load is no longer reported. The
+        event loop watches the process sentinels and polls for a main thread's exit (no
+        thread, nothing to hand over). The gateways of ``serve --gateway-count N`` get the
+        same from their supervisor (``mark_dead``)."""
         resources = self._client.resources
         # None when the engines were started elsewhere (a supervisor, headless nodes).
         group = EngineGroup(
             getattr(resources, "engine_manager", None), getattr(resources, "coordinator", None)
         )
-        for process in group.processes():
+        processes = group.processes()
+        for process in processes:
             loop.add_reader(process.sentinel, self._on_engine_process_exit, process)
             self._watched.append((loop, process.sentinel))
+        if processes:
+            self._poll_exits(loop, processes)
+
+    def _poll_exits(self, loop: asyncio.AbstractEventLoop, processes: list[Any]) -> None:
+        """Every EXIT_POLL_S, look for a process whose main thread has begun to exit: a
+        killed one's sentinel can close tens of seconds later (process_exit.py)."""
+        exited = exiting(processes)
+        if exited:
+            self._on_engine_process_exit(exited[0])
+        else:
+            self._exit_poll = loop.call_later(EXIT_POLL_S, self._poll_exits, loop, processes)
 
     def _stop_watching(self) -> None:
         for loop, sentinel in self._watched:
             with contextlib.suppress(RuntimeError, ValueError, OSError):  # loop closed
                 loop.remove_reader(sentinel)
         self._watched.clear()
+        if self._exit_poll is not None:
+            self._exit_poll.cancel()
+            self._exit_poll = None
 
     def _on_engine_process_exit(self, process: Any) -> None:
         self._stop_watching()
         if self._closed:
             return  # the gateway's own shutdown stopped the engines
-        # Its pipes close just before it can be reaped (and vLLM's monitor thread may be
-        # reaping it): a moment for its exit status, once, as everything ends anyway.
-        process.join(0.1)
-        code = process.exitcode
-        name = process.name if code is None else f"{process.name} (exit status {code})"
+        name = describe_exit(process)
         logger.error("%s exited: ending every request with ENGINE_DEAD", name)
         queue = getattr(self._client, "outputs_queue", None)
         if queue is not None:  # run_outputs / get_output raise it

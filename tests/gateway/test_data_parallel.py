@@ -246,14 +246,15 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         async with asyncio.timeout(60):
             ends = await asyncio.gather(*tasks)
         seen = f"killed at {killed_at} s; streams (how, tokens, s): {ends}"
-        # The killed rank's stream cannot have finished: ENGINE_DEAD.
-        assert ends[0][0] == "ENGINE_DEAD", seen
-        # Rank 1's streams: ENGINE_DEAD, or every token before the death reached the
-        # gateway (a request that completed is not a live one); never an ABORT or a cut.
-        # Mostly ENGINE_DEAD within ms; in some CI runs the killed process's sentinel
-        # closed only once rank 1 went idle (vLLM's own monitor saw it then too).
-        for how, tokens, _ in ends[1:]:
-            assert how == "ENGINE_DEAD" or (how, tokens) == ("LENGTH", ENDLESS.max_tokens), seen
+        # The killed rank's stream, and rank 1's stream started just before the kill, were
+        # live at the death: ENGINE_DEAD, though the killed engine's pipes may stay open for
+        # tens of seconds (its main thread's exit shows at once: process_exit.py).
+        assert [ends[0][0], ends[3][0]] == ["ENGINE_DEAD", "ENGINE_DEAD"], seen
+        # Rank 1's older streams: ENGINE_DEAD, or they completed before the gateway could
+        # know of the death (a request that completed is not a live one); never a cut.
+        for how, tokens, ended in ends[1:3]:
+            completed = (how, tokens) == ("LENGTH", ENDLESS.max_tokens)
+            assert how == "ENGINE_DEAD" or (completed and ended < killed_at + 1), seen
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
 
@@ -264,26 +265,23 @@ async def test_a_killed_dp_coordinator_ends_every_request_with_engine_dead_and_e
     """vLLM's engine client does not watch its DP coordinator (without it no rank's load
     is reported, and MoE ranks cannot keep in step); the gateway does, and treats its
     death as the engines' (as the supervisor of --gateway-count N does): the live streams
-    on both ranks end with ENGINE_DEAD naming it (or complete first, as in the engine-kill
-    test), and the gateway exits 3."""
+    on both ranks end with ENGINE_DEAD naming it, and the gateway exits 3."""
     gw = doomed_dp_gateway(gateway_process, tmp_path)
     async with AsyncClient(gw.address, name="dp", **PATIENT) as client:
         streams = [client.generate([7], ENDLESS, options=pinned(rank)) for rank in (0, 1)]
         async with asyncio.timeout(60):  # both running
-            firsts = [len((await anext(stream)).new_token_ids) for stream in streams]
+            for stream in streams:
+                await anext(stream)
         coordinators = gw.pids_named("DPCoordinator")
         assert len(coordinators) == 1, gw.output()[-2000:]
         os.kill(coordinators[0], signal.SIGKILL)
-        for stream, tokens in zip(streams, firsts, strict=True):
-            try:
-                async with asyncio.timeout(60):
-                    async for frame in stream:
-                        tokens += len(frame.new_token_ids)
-                        ending = frame.finished
-                assert (ending.finish_reason.name, tokens) == ("LENGTH", ENDLESS.max_tokens)
-            except RequestFailed as failed:
-                assert failed.code is ErrorCode.ENGINE_DEAD, failed
-                assert "VLLM_DP_Coordinator (exit status -9) exited" in str(failed), failed
+        for stream in streams:
+            with pytest.raises(RequestFailed) as failed:
+                async with asyncio.timeout(10):  # they would complete in 20 s or more
+                    async for _ in stream:
+                        pass
+            assert failed.value.code is ErrorCode.ENGINE_DEAD, failed.value
+            assert "VLLM_DP_Coordinator (exit status -9) exited" in str(failed.value)
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
     assert "VLLM_DP_Coordinator (exit status -9) exited unexpectedly" in gw.output()

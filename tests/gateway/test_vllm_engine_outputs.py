@@ -8,14 +8,17 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import queue
 import signal
 import time
+from multiprocessing import connection
 from types import SimpleNamespace
 
 import pytest
 
 from gateway.errors import EngineDead
-from gateway.vllm_engine import VllmEngine
+from gateway.vllm_engine import EngineGroup, VllmEngine
+from tests.gateway.test_process_exit import main_thread_exits_while_a_thread_lingers
 
 
 class StandInClient:
@@ -32,6 +35,7 @@ def engine_on(client: StandInClient) -> VllmEngine:
     engine._client = client
     engine._closed = False
     engine._watched = []
+    engine._exit_poll = None
     engine._stats = {}
     engine.weight_version = None
     return engine
@@ -125,11 +129,15 @@ def sleep_forever() -> None:
     time.sleep(600)
 
 
-@pytest.fixture
-def engine_processes():
-    """Two spawned processes standing in for an engine and a DP coordinator."""
+@pytest.fixture(params=[sleep_forever])
+def engine_processes(request):
+    """Two spawned processes standing in for an engine and a DP coordinator; the engine
+    runs the parameter (sleep_forever unless a test says otherwise)."""
     spawn = multiprocessing.get_context("spawn")
-    started = [spawn.Process(target=sleep_forever, name=n) for n in ("EngineCore_DP0", "Coord")]
+    started = [
+        spawn.Process(target=request.param, name="EngineCore_DP0"),
+        spawn.Process(target=sleep_forever, name="Coord"),
+    ]
     for process in started:
         process.start()
     yield started
@@ -160,6 +168,35 @@ async def test_an_engine_or_coordinator_exit_ends_the_call_as_engine_death_namin
     os.kill(doomed.pid, signal.SIGKILL)
     with pytest.raises(EngineDead, match=rf"{doomed.name} \(exit status -9\) exited"):
         await asyncio.wait_for(runner, 10)
+
+
+LINGERING = pytest.mark.parametrize(
+    "engine_processes", [main_thread_exits_while_a_thread_lingers], indirect=True
+)
+
+
+@LINGERING
+async def test_an_engine_whose_main_thread_exited_is_dead_before_its_pipes_close(
+    engine_processes,
+):
+    """A killed engine's last thread once held its pipes open for 25 s (process_exit.py):
+    the watch sees the main thread's exit instead of waiting for the sentinel."""
+    client, engine = watched(engine_processes)
+    runner = asyncio.ensure_future(engine.run_outputs(lambda outputs: None))
+    with pytest.raises(EngineDead, match=r"EngineCore_DP0 \(exit status 0\) exited"):
+        await asyncio.wait_for(runner, 10)
+    assert not connection.wait([engine_processes[0].sentinel], 0)  # still open
+    assert not engine._watched and engine._exit_poll is None
+
+
+@LINGERING
+def test_the_supervisors_watch_sees_the_main_thread_exit_too(engine_processes):
+    engine_core, coordinator = engine_processes
+    group = EngineGroup(SimpleNamespace(processes=[engine_core]), SimpleNamespace(proc=coordinator))
+    deaths: queue.Queue[str] = queue.Queue()
+    group.watch(deaths.put)
+    assert deaths.get(timeout=10) == "EngineCore_DP0 (exit status 0)"
+    assert not connection.wait([engine_core.sentinel], 0)
 
 
 async def test_exits_after_the_gateway_closed_the_engine_are_not_deaths(engine_processes):
