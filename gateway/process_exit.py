@@ -2,10 +2,12 @@
 
 A killed process's pipes (its multiprocessing sentinel among them) close only when its
 last thread has torn down its memory. On this project's 2-core VM, in about one kill of
-ten, that teardown waited 25 s in the kernel (the thread in state D in ``exit_mmap``,
-``unlink_file_vma_batch_process``: waiting for a mapped file's lock) while a DP engine ran
-beside it; the main thread had exited 3 ms after the kill. Watchers poll this beside the
-sentinel so that they see the death when it happens."""
+ten, that teardown waited 25 s in the kernel while a DP engine ran beside it: the thread in
+state D in ``exit_mmap`` (``unlink_file_vma_batch_process``, waiting for a mapped file's
+``i_mmap_rwsem``), which the VM's DAMON reclaim thread (``kdamond``, physical-address
+monitoring with a pageout scheme) kept taking to walk that file's mappings. The main thread
+had exited 3 ms after the kill. Watchers poll this beside the sentinel so that they see the
+death when it happens."""
 
 from __future__ import annotations
 
