@@ -172,10 +172,10 @@ async def test_a_rank_out_of_range_is_refused_with_vllms_message(client):
     assert "out of range" in str(info.value)
 
 
-# Streams that outlive an engine group killed under them. The gateway sees a death at
-# once (it watches the engine processes), but on a starved box that can take seconds while
-# rank 1 streams ~900 tokens/s: a 2000-token stream started at the kill could complete
-# first. The tiny model with a 16k context gives streams that outlive the group.
+# Streams that outlive an engine group killed under them. The gateway sees a death within
+# about half a second (it watches the engine processes), but on a starved box the test's
+# own steps can take seconds while rank 1 streams ~900 tokens/s: a 2000-token stream could
+# complete first. The tiny model with a 16k context gives streams that outlive the group.
 ENDLESS = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
 # Both cores run an engine flat out there: a patient heartbeat (the default 1 s interval
 # times out after 3 s of a starved process).

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import time
 from multiprocessing import connection
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ import pytest
 
 from gateway.errors import EngineDead
 from gateway.vllm_engine import EngineGroup, VllmEngine
-from tests.gateway.test_process_exit import main_thread_exits_while_a_thread_lingers
+from tests.gateway.test_process_exit import main_thread_exits_while_a_thread_lingers, sleep_forever
 
 
 class StandInClient:
@@ -123,10 +122,6 @@ async def test_a_client_without_a_plain_queue_is_pulled_from_instead():
     with pytest.raises(EngineDead, match="enough"):
         await asyncio.wait_for(engine.run_outputs(on_step), 5)
     assert seen == ["pulled", "pulled"]
-
-
-def sleep_forever() -> None:
-    time.sleep(600)
 
 
 @pytest.fixture(params=[sleep_forever])
