@@ -18,6 +18,7 @@ __all__ = [
     "random_requests",
     "jsonl_requests",
     "prefix_requests",
+    "check_fits",
 ]
 
 
@@ -131,3 +132,36 @@ def _positive(row: dict, key: str) -> int:
     if type(value) is not int or value < 1:
         raise ValueError(f"{key}: expected an int >= 1, got {value!r}")
     return value
+
+
+def check_fits(
+    requests: list[BenchRequest], max_model_len: int, max_prompt_tokens: int
+) -> str | None:
+    """Check a request set against the gateway's model (from its HelloAck).
+
+    Raises DatasetError when a prompt is longer than the gateway takes (every such request
+    would be refused): at most ``max_prompt_tokens``, and at most ``max_model_len`` - 1 so
+    that one output token fits. Returns a warning when some prompt + output exceeds
+    ``max_model_len`` (those outputs end early, at the context's end), else None.
+    """
+    if not requests:
+        return None
+    longest = max(len(r.prompt) for r in requests)
+    fits = min(max_model_len - 1, max_prompt_tokens)
+    if longest > fits:
+        too_long = sum(len(r.prompt) > fits for r in requests)
+        raise DatasetError(
+            f"{too_long} of {len(requests)} prompts are longer than this gateway takes"
+            f" (longest {longest} tokens; it takes at most {fits}: max_model_len"
+            f" {max_model_len} leaves room for one output token, max_prompt_tokens"
+            f" {max_prompt_tokens}); use shorter prompts (--input-len, --prefix-len)"
+        )
+    capped = [r for r in requests if len(r.prompt) + r.max_tokens > max_model_len]
+    if not capped:
+        return None
+    most = max(len(r.prompt) + r.max_tokens for r in capped)
+    return (
+        f"{len(capped)} of {len(requests)} requests ask for more tokens than the model's"
+        f" context holds (prompt + output up to {most}, max_model_len {max_model_len}):"
+        " their outputs stop at the context's end, shorter than asked"
+    )

@@ -12,7 +12,8 @@ Load: closed loop (``--concurrency N``: N requests always in flight), or open lo
 ``--max-concurrency``). Datasets: random lengths (``--random-range-ratio``), fixed
 lengths (ratio 0), a JSONL file, or shared-prefix groups. Results use the metric names
 of ``vllm bench serve --save-result``. Exit status: 0 when every request finished, 1
-when any failed (or no gateway answered), 2 for a bad command line.
+when any failed (or no gateway answered), 2 for a bad command line or a dataset whose
+prompts the gateway's model cannot take (checked against its HelloAck before any load).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import datetime as dt
 import json
 import math
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from client import (
 from .datasets import (
     BenchRequest,
     DatasetError,
+    check_fits,
     jsonl_requests,
     prefix_requests,
     random_requests,
@@ -217,6 +220,7 @@ async def _run_load(
                     record.got(len(out.new_token_ids))
         except Exception as exc:  # counted, not raised: a benchmark reports errors
             record.error = _error_name(exc)
+            record.error_message = str(exc)
         record.end = time.monotonic()
         progress.update()
         return record
@@ -251,9 +255,15 @@ async def run_bench(args: argparse.Namespace) -> dict:
         ack = client.hello_ack
         assert ack is not None
         vocab = ack.model.vocab_size
-        if args.warmup:
-            await _run_load(client, args, make_requests(args, args.warmup, vocab, 1), "warm-up")
+        warmup = make_requests(args, args.warmup, vocab, 1) if args.warmup else []
         requests = make_requests(args, args.num_prompts, vocab, 0)
+        warning = check_fits(
+            warmup + requests, ack.model.max_model_len, ack.limits.max_prompt_tokens
+        )
+        if warning:
+            print(f"engine-gateway bench: warning: {warning}", file=sys.stderr)
+        if warmup:
+            await _run_load(client, args, warmup, "warm-up")
         run = await _run_load(client, args, requests, "bench")
         result = _result(args, ack, run)
         if args.flood:
@@ -346,8 +356,11 @@ def print_summary(result: dict, percentiles: list[float]) -> None:
     print("{s:{c}^{n}}".format(s=" engine-gateway bench result ", n=52, c="="))
     print(line("Successful requests:", result["completed"]))
     print(line("Failed requests:", result["failed"]))
+    first = result.get("first_error_by_code", {})
     for code, n in sorted(result["errors_by_code"].items()):
         print(line(f"  {code}:", n))
+        if first.get(code):
+            print(f"    first: {textwrap.shorten(first[code], 200)}")
     print(line("Benchmark duration (s):", f"{result['duration']:.2f}"))
     print(line("Total input tokens:", result["total_input_tokens"]))
     print(line("Total generated tokens:", result["total_output_tokens"]))

@@ -56,6 +56,15 @@ def _summary(name: str, seconds: list[float], percentiles: Sequence[float]) -> d
     return out
 
 
+def _first_error_by_code(records: Sequence[RequestRecord]) -> dict[str, str]:
+    """Each failure code's first message, in request order."""
+    first: dict[str, str] = {}
+    for r in records:
+        if r.error is not None and r.error not in first:
+            first[r.error] = r.error_message
+    return first
+
+
 def serve_metrics(
     records: Sequence[RequestRecord],
     duration_s: float,
@@ -98,6 +107,7 @@ def serve_metrics(
         ],
         "errors": [r.error or "" for r in records],
         "errors_by_code": dict(Counter(r.error for r in records if r.error is not None)),
+        "first_error_by_code": _first_error_by_code(records),
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         result.update(_summary(name, values, percentiles))

@@ -45,6 +45,7 @@ class RequestRecord:
     output_tokens: int = 0
     token_times: list[float] = field(default_factory=list)  # arrival time of each frame's tokens
     error: str | None = None  # what failed it (an ErrorCode name in the gateway bench)
+    error_message: str = ""  # what the failure said (the gateway's message)
 
     def got(self, n_tokens: int) -> None:
         """Record a frame of ``n_tokens`` new tokens arriving now (frames with none are ignored)."""

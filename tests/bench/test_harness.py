@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from bench.datasets import (
+    BenchRequest,
     DatasetError,
+    check_fits,
     jsonl_requests,
     length_range,
     prefix_requests,
@@ -80,6 +82,23 @@ def record(start, first, token_times, end, prompt_len=10, tokens=None, error=Non
     r.output_tokens = len(token_times) if tokens is None else tokens
     r.error = error
     return r
+
+
+def test_check_fits_refuses_prompts_the_gateway_refuses_and_warns_of_capped_outputs():
+    def reqs(*shapes: tuple[int, int]) -> list[BenchRequest]:
+        return [BenchRequest([5] * plen, out) for plen, out in shapes]
+
+    assert check_fits(reqs((63, 1), (10, 54)), max_model_len=64, max_prompt_tokens=64) is None
+    assert check_fits([], max_model_len=64, max_prompt_tokens=64) is None
+    # A prompt must leave one token of context: 64 of 64 is refused, as vLLM refuses it.
+    with pytest.raises(DatasetError, match=r"1 of 2 prompts .* \(longest 64 tokens; .* at most 63"):
+        check_fits(reqs((64, 1), (3, 1)), max_model_len=64, max_prompt_tokens=64)
+    # max_prompt_tokens below the context is the tighter limit.
+    with pytest.raises(DatasetError, match=r"2 of 2 prompts .* at most 20.*max_prompt_tokens 20"):
+        check_fits(reqs((21, 1), (30, 1)), max_model_len=64, max_prompt_tokens=20)
+    warning = check_fits(reqs((60, 5), (10, 5), (63, 2)), max_model_len=64, max_prompt_tokens=64)
+    assert warning is not None
+    assert warning.startswith("2 of 3 requests ask for more tokens") and "up to 65" in warning
 
 
 def test_serve_metrics_match_vllm_definitions_and_names():
@@ -165,13 +184,16 @@ async def test_bench_command_counts_failures_by_code_and_exits_1(real_gateway, t
     address = real_gateway.addresses[0]
     code, out, err = await run_command(
         "--address", address, "--request-rate", "50", "--arrival", "constant",
-        "--num-prompts", "6", "--input-len", str(TEST_MAX_MODEL_LEN + 5), "--output-len", "2",
+        "--num-prompts", "6", "--input-len", "4", "--output-len", "2", "--temperature", "-1",
         "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json",
         "--no-progress",
     )  # fmt: skip
     assert code == 1 and "6 requests failed" in err
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["errors_by_code"] == {"INVALID_REQUEST": 6} and result["completed"] == 0
+    # What the gateway said (vLLM's own message) is kept and shown, once per code.
+    said = result["first_error_by_code"]["INVALID_REQUEST"]
+    assert "temperature must be non-negative" in said and said in out
     code, _, err = await run_command(
         "--address", "ipc:///tmp/eg-nobody-here.sock", "--connect-timeout", "0.5"
     )
@@ -246,3 +268,26 @@ async def test_flooder_reads_every_refusal_however_small_the_send_queue():
     assert stats.bursts >= 3 and stats.generates_sent == stats.bursts * 640
     assert stats.errors["INVALID_REQUEST"] == stats.generates_sent
     assert sum(stats.errors.values()) == stats.generates_sent + stats.malformed_sent
+
+
+@pytest.mark.engine
+async def test_bench_command_checks_the_dataset_against_the_gateways_model(real_gateway):
+    """Prompts the gateway would refuse stop the run before any request is sent (exit 2,
+    naming the limit); outputs that overrun the context only warn."""
+    address = real_gateway.addresses[0]
+    accepted = real_gateway.table.stats.requests_accepted
+    code, out, err = await run_command(
+        "--address", address, "--num-prompts", "3", "--warmup", "1",
+        "--input-len", str(TEST_MAX_MODEL_LEN), "--output-len", "2", "--no-progress",
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert f"4 of 4 prompts are longer than this gateway takes (longest {TEST_MAX_MODEL_LEN}" in err
+    assert f"at most {TEST_MAX_MODEL_LEN - 1}" in err
+    assert real_gateway.table.stats.requests_accepted == accepted  # nothing was sent
+    code, out, err = await run_command(
+        "--address", address, "--num-prompts", "2", "--input-len", str(TEST_MAX_MODEL_LEN - 4),
+        "--output-len", "10", "--no-progress",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "warning: 2 of 2 requests ask for more tokens than the model's context holds" in err
+    assert "Total generated tokens:                  8 " in out  # 4 each: the context's end
