@@ -32,6 +32,20 @@ def tiny_model_variant(
     return folder
 
 
+def save_word_level_tokenizer(folder: Path, vocab_size: int, eos_token_id: int) -> None:
+    """A tokenizer made locally (no hub) in ``folder``: token i is the word ``t<i>``,
+    ``eos_token_id`` the EOS token; what ``--no-skip-tokenizer-init`` loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab_size)}
+    eos = f"t{eos_token_id}"
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, unk_token="t0")
+    fast.save_pretrained(folder)
+
+
 @dataclass
 class _Instance:
     n: int

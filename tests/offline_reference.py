@@ -18,9 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_offline_reference(model: str, max_model_len: int, cases: list[dict]) -> list[dict]:
-    """Run ``cases`` through offline ``LLM.generate`` in a subprocess; one result per case."""
-    spec = {"model": model, "max_model_len": max_model_len, "cases": cases}
+def run_offline_reference(
+    model: str, max_model_len: int, cases: list[dict], *, tokenizer: bool = False
+) -> list[dict]:
+    """Run ``cases`` through offline ``LLM.generate`` in a subprocess; one result per case.
+    ``tokenizer``: load the model's tokenizer (vLLM's default) instead of skipping it."""
+    spec = {"model": model, "max_model_len": max_model_len, "cases": cases, "tokenizer": tokenizer}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.offline_reference"],
         input=json.dumps(spec),
@@ -45,7 +48,7 @@ def main() -> None:
     loras = [case["lora"] for case in spec["cases"] if case.get("lora")]
     llm = LLM(
         model=spec["model"],
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not spec.get("tokenizer", False),
         enforce_eager=True,
         gpu_memory_utilization=0.2,
         max_model_len=spec["max_model_len"],

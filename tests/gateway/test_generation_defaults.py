@@ -15,7 +15,7 @@ import pytest
 
 from client import AsyncClient, FinishReason, SamplingParams
 from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
-from tests.helpers import tiny_model_variant
+from tests.helpers import save_word_level_tokenizer, tiny_model_variant
 from tests.offline_reference import run_offline_reference
 
 pytestmark = pytest.mark.engine
@@ -127,3 +127,36 @@ async def test_a_generation_config_without_eos_ids_lists_none_and_stops_at_none(
     assert done.token_ids == offline["samples"][0]["token_ids"] == [3] * 6
     assert done.finish_reason is FinishReason.LENGTH
     assert offline["samples"][0]["finish_reason"] == "length"
+
+
+# generation_config.json names EOS id 3; the tokenizer's own EOS token is id 2.
+TOKENIZER_CASES = [("tokenizer-eos", [2]), ("generation-config-eos", [3])]
+
+
+async def test_with_the_tokenizer_loaded_its_eos_stops_too_as_in_offline_vllm(tmp_path):
+    """--no-skip-tokenizer-init: vLLM stops at the tokenizer's EOS id as well and reports it
+    as stop_reason nil (an EOS from the generation config is reported by its id). The
+    HelloAck lists both, the tokenizer's first (PROTOCOL section 11)."""
+    model = tiny_model_variant(
+        tmp_path / "tiny-llama-with-tokenizer",
+        generation_config={"bos_token_id": 1, "eos_token_id": 3},
+    )
+    save_word_level_tokenizer(model, 512, eos_token_id=2)
+    cases = [
+        {"prompt": [5, 6, 7], "sampling": dict(seed=5, max_tokens=6, allowed_token_ids=allowed)}
+        for _, allowed in TOKENIZER_CASES
+    ]
+    offline = run_offline_reference(str(model), TEST_MAX_MODEL_LEN, cases, tokenizer=True)
+    args = cpu_engine_args(str(model), skip_tokenizer_init=False)
+    async with engine_gateway(args) as gateway:
+        client = AsyncClient(gateway.addresses[0])
+        async with client:
+            await client.ping()
+            assert client.hello_ack.model.eos_token_ids == [2, 3]
+            for (name, allowed), case, want in zip(TOKENIZER_CASES, cases, offline, strict=True):
+                done = await client.complete(case["prompt"], SamplingParams(**case["sampling"]))
+                (sample,) = want["samples"]
+                assert done.token_ids == sample["token_ids"] == allowed, name
+                assert done.finish_reason is FinishReason.STOP and sample["finish_reason"] == "stop"
+                assert done.stop_reason == sample["stop_reason"], name
+    assert [s["samples"][0]["stop_reason"] for s in offline] == [None, 3]
