@@ -45,7 +45,7 @@ _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
 _any_decoder = msgspec.msgpack.Decoder()
 
-_PATH = re.compile(r" - at `\$(?:\[(\d+)\])?(.*)`$")
+_PATH = re.compile(r" - at `(key` in `)?\$(?:\[(\d+)\])?(.*)`$")
 
 
 def encode_payload(msg: msgspec.Struct) -> bytes:
@@ -166,8 +166,8 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
                 request_id,
             )
         return ProtocolError(ErrorCode.INVALID_MESSAGE, f"{name}: {text}", request_id)
-    index, rest = match.groups()
-    where = text[: match.start()]
+    in_key, index, rest = match.groups()
+    where = text[: match.start()] + (" (in a map key)" if in_key else "")
     if index is None or int(index) == 0:
         field = "message"
     else:

@@ -70,6 +70,7 @@ def test_a_map_instead_of_an_array_is_invalid():
         ([2, "r1", [1], True, {"temperature": "hot"}], "Generate.sampling.temperature"),
         ([2, "r1", [1], True, {"temprature": 1.0}], "Generate.sampling"),
         ([2, "r1", [1], True, {}, {"priority": "high"}], "Generate.options.priority"),
+        ([2, "r1", [1], True, {"logit_bias": {"7": 1.0}}], "Generate.sampling.logit_bias: "),
         ([2, "", [1]], "Generate.request_id"),
         ([3, [1, 2]], "Abort.request_ids[0]"),
         ([1, "1"], "Hello.protocol_version"),
@@ -79,6 +80,11 @@ def test_wrong_types_and_values_name_the_field(obj, where):
     err = decode_error([V1, payload(obj)])
     assert err.code is ErrorCode.INVALID_MESSAGE
     assert err.message.startswith(where), err.message
+
+
+def test_a_wrong_map_key_is_named_as_a_key():
+    err = decode_error([V1, payload([2, "r1", [1], True, {"logit_bias": {"7": 1.0}}])])
+    assert err.message == "Generate.sampling.logit_bias: Expected `int`, got `str` (in a map key)"
 
 
 def test_wrong_types_in_a_generate_carry_its_request_id():
