@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="zero: vLLM's EngineCore without model compute, for every target",
     )
     p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="GPU engines: let vLLM capture CUDA graphs (drops --enforce-eager, which the CPU"
+        " engine needs); the GPU run of a realistic shape: see `make bench-gpu`",
+    )
+    p.add_argument(
         "--baseline",
         default="direct",
         help="the target the report's ratios are against (default direct)",
@@ -250,7 +256,7 @@ async def run(args: argparse.Namespace) -> dict:
     unknown = set(names) - set(ALL_TARGETS)
     if unknown:
         raise SystemExit(f"unknown targets {sorted(unknown)}; known: {ALL_TARGETS}")
-    setup = EngineSetup(args.executor)
+    setup = EngineSetup(args.executor, cuda_graphs=args.cuda_graphs)
     real = [n for n in names if n in ("gateway-ipc", "gateway-tcp")]
     server = GatewayServer(model, setup=setup) if real else None
     fake_server = FakeGatewayServer() if "gateway-fake" in names else None
@@ -304,7 +310,8 @@ async def run(args: argparse.Namespace) -> dict:
         "versions": _versions(),
         "settings": {
             "model": model,
-            "engine_flags": "enforce_eager, gpu_memory_utilization 0.2,"
+            "engine_flags": ("cuda graphs" if args.cuda_graphs else "enforce_eager")
+            + ", gpu_memory_utilization 0.2,"
             " max_model_len 2048, skip_tokenizer_init, VLLM_CPU_KVCACHE_SPACE=1"
             + (", zero-compute executor" if args.executor == "zero" else ""),
             "executor": args.executor,

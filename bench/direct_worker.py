@@ -1,6 +1,6 @@
 """The direct engine-core client in its own driver process (bench only).
 
-    python -m bench.direct_worker MODEL [model|zero]
+    python -m bench.direct_worker MODEL [model|zero] [eager|cuda-graphs]
 
 vLLM's async engine-core client shares nothing with the other targets' clients
 this way (in the benchmark's own process it delayed their socket wake-ups).
@@ -21,8 +21,8 @@ from .workload import Workload, closed_loop, open_loop
 PREFIX = "DIRECT_RESULT "
 
 
-async def main(model: str, executor: str = "model") -> None:
-    target = InProcessDirectTarget(model, executor)
+async def main(model: str, executor: str = "model", graphs: str = "eager") -> None:
+    target = InProcessDirectTarget(model, executor, cuda_graphs=graphs == "cuda-graphs")
     await target.start()
     print(PREFIX + json.dumps({"ready": True}), flush=True)
     loop = asyncio.get_running_loop()
@@ -52,4 +52,4 @@ async def main(model: str, executor: str = "model") -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:3]))
+    asyncio.run(main(*sys.argv[1:4]))

@@ -65,16 +65,20 @@ class EngineSetup:
 
     ``executor``: "zero" runs vLLM's EngineCore with no model compute
     (bench/zero_engine.py); ``data_parallel_size`` > 1 starts that many engines (one
-    core each here).
+    core each here); ``cuda_graphs`` (GPU engines) drops ``--enforce-eager`` so that vLLM
+    captures CUDA graphs, as it does by default on a GPU.
     """
 
-    def __init__(self, executor: str = "model", data_parallel_size: int = 1):
+    def __init__(
+        self, executor: str = "model", data_parallel_size: int = 1, cuda_graphs: bool = False
+    ):
         self.executor = executor
         self.data_parallel_size = data_parallel_size
+        self.cuda_graphs = cuda_graphs
 
     @property
     def flags(self) -> list[str]:
-        flags = list(ENGINE_FLAGS)
+        flags = [f for f in ENGINE_FLAGS if not (self.cuda_graphs and f == "--enforce-eager")]
         if self.executor == "zero":
             flags += ["--distributed-executor-backend", ZERO_EXECUTOR]
         if self.data_parallel_size > 1:
@@ -86,7 +90,7 @@ class EngineSetup:
         return dict(DP_ENV) if self.data_parallel_size > 1 else {}
 
     def with_dp(self, size: int) -> EngineSetup:
-        return EngineSetup(self.executor, size)
+        return EngineSetup(self.executor, size, self.cuda_graphs)
 
 
 async def _record(generate: Any, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -460,9 +464,10 @@ class InProcessDirectTarget:
 
     name = "direct"
 
-    def __init__(self, model: str, executor: str = "model"):
+    def __init__(self, model: str, executor: str = "model", cuda_graphs: bool = False):
         self.model = model
         self.executor = executor
+        self.cuda_graphs = cuda_graphs
         self._engine: Any = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
@@ -475,7 +480,7 @@ class InProcessDirectTarget:
         extra = {"distributed_executor_backend": ZERO_EXECUTOR} if self.executor == "zero" else {}
         args = default_engine_args(
             self.model,
-            enforce_eager=True,
+            enforce_eager=not self.cuda_graphs,
             gpu_memory_utilization=0.2,
             max_model_len=MAX_MODEL_LEN,
             **extra,
@@ -536,7 +541,7 @@ class DirectTarget:
 
     def __init__(self, model: str, setup: EngineSetup | None = None):
         self.model = model
-        self.executor = (setup or EngineSetup()).executor
+        self.setup = setup or EngineSetup()
         self._proc: asyncio.subprocess.Process | None = None
         self._log_path = Path(tempfile.mkdtemp(prefix="eg-bench-")) / "direct.log"
 
@@ -547,7 +552,8 @@ class DirectTarget:
             "-m",
             "bench.direct_worker",
             self.model,
-            self.executor,
+            self.setup.executor,
+            "cuda-graphs" if self.setup.cuda_graphs else "eager",
             cwd=ROOT,
             env={**_env(), STEPS_DIR_ENV: str(self._log_path.parent)},
             stdin=asyncio.subprocess.PIPE,

@@ -49,3 +49,14 @@ def test_bench_cli_runs_and_writes_json_markdown_and_plots(tmp_path):
         assert row["ttft_ms"]["p50"] > 0 and len(row["ttft_samples_ms"]) == 16
     assert "| gateway-fake | 4 |" in (tmp_path / "smoke.md").read_text()
     assert (tmp_path / "smoke_plots.png").stat().st_size > 10_000
+
+
+def test_cuda_graphs_drop_enforce_eager_for_every_engine():
+    from bench.targets import EngineSetup
+
+    assert "--enforce-eager" in EngineSetup().flags
+    gpu = EngineSetup(cuda_graphs=True)
+    assert "--enforce-eager" not in gpu.flags
+    assert "--enforce-eager" not in gpu.with_dp(2).flags
+    assert gpu.with_dp(2).flags[-2:] == ["--data-parallel-size", "2"]
+    assert "--max-model-len" in gpu.flags
