@@ -131,7 +131,7 @@ def write_random_model(
     weight_map: dict[str, str] = {}
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _draw(shapes[name], generator, torch) for name in names}
+        tensors = {name: _draw(shapes[name], generator) for name in names}
         save_file(tensors, out / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
     total = sum(math.prod(s) for s in shapes.values())
@@ -142,7 +142,9 @@ def write_random_model(
     return total
 
 
-def _draw(shape: tuple[int, ...], generator: Any, torch: Any) -> Any:
+def _draw(shape: tuple[int, ...], generator: Any) -> Any:
+    import torch
+
     if len(shape) == 1:
         return torch.ones(shape, dtype=torch.bfloat16)
     drawn = torch.empty(shape, dtype=torch.float32).normal_(0.0, _INIT_STD, generator=generator)
