@@ -1,0 +1,26 @@
+"""bench.client_cost: every stream is read to its end and the CPU figures are reported
+(fake engine; no timing assertions)."""
+
+from __future__ import annotations
+
+import os
+
+from bench.client_cost import measure_client_cost
+from client import AsyncClient
+from gateway.fake_engine import FakeEngine
+from tests.conftest import running_gateway
+
+
+async def test_every_token_of_every_stream_is_counted_with_both_cpu_figures():
+    async with (
+        running_gateway(FakeEngine()) as gateway,
+        AsyncClient(gateway.addresses[0]) as client,
+    ):
+        cost = await measure_client_cost(
+            client, concurrency=6, requests=20, output_len=7, gateway_pid=os.getpid()
+        )
+        assert gateway.table.live_requests == 0
+    assert cost.tokens == 20 * 7
+    assert cost.wall_s > 0 and cost.client_cpu_s > 0
+    assert cost.gateway_cpu_s is not None and cost.gateway_cpu_s >= 0
+    assert "c=6: 140 tokens" in cost.summary(6)
