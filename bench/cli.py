@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from .stats import summarize
-from .workload import Workload, closed_loop, open_loop
+from .workload import Workload, closed_loop, model_shape, open_loop
 
 ALL_TARGETS = [
     "gateway-ipc",
@@ -229,6 +229,7 @@ async def run(args: argparse.Namespace) -> dict:
     from gateway.tiny_model import ensure_tiny_model
 
     from .targets import (
+        MAX_MODEL_LEN,
         DirectTarget,
         EngineSetup,
         FakeGatewayServer,
@@ -251,12 +252,17 @@ async def run(args: argparse.Namespace) -> dict:
         rates = [4.0, 16.0] if args.full else []
     if args.rounds is None:
         args.rounds = 5 if args.full else 3
-    workload = Workload(args.prompt_len, args.output_len, seed=args.seed)
+    vocab_size, context = model_shape(model)
+    workload = Workload(args.prompt_len, args.output_len, seed=args.seed, vocab_size=vocab_size)
     names = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = set(names) - set(ALL_TARGETS)
     if unknown:
         raise SystemExit(f"unknown targets {sorted(unknown)}; known: {ALL_TARGETS}")
-    setup = EngineSetup(args.executor, cuda_graphs=args.cuda_graphs)
+    setup = EngineSetup(
+        args.executor,
+        cuda_graphs=args.cuda_graphs,
+        max_model_len=min(MAX_MODEL_LEN, context or MAX_MODEL_LEN),
+    )
     real = [n for n in names if n in ("gateway-ipc", "gateway-tcp")]
     server = GatewayServer(model, setup=setup) if real else None
     fake_server = FakeGatewayServer() if "gateway-fake" in names else None
@@ -311,8 +317,8 @@ async def run(args: argparse.Namespace) -> dict:
         "settings": {
             "model": model,
             "engine_flags": ("cuda graphs" if args.cuda_graphs else "enforce_eager")
-            + ", gpu_memory_utilization 0.2,"
-            " max_model_len 2048, skip_tokenizer_init, VLLM_CPU_KVCACHE_SPACE=1"
+            + f", gpu_memory_utilization 0.2, max_model_len {setup.max_model_len},"
+            " skip_tokenizer_init, VLLM_CPU_KVCACHE_SPACE=1"
             + (", zero-compute executor" if args.executor == "zero" else ""),
             "executor": args.executor,
             "baseline": args.baseline,
@@ -320,6 +326,7 @@ async def run(args: argparse.Namespace) -> dict:
                 "prompt_len": workload.prompt_len,
                 "output_len": workload.output_len,
                 "seed": workload.seed,
+                "vocab_size": workload.vocab_size,
                 "sampling": "greedy, ignore_eos",
             },
             "concurrency": concurrency,

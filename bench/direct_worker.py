@@ -1,6 +1,6 @@
 """The direct engine-core client in its own driver process (bench only).
 
-    python -m bench.direct_worker MODEL [model|zero] [eager|cuda-graphs]
+    python -m bench.direct_worker MODEL [SETUP_JSON]   (an EngineSetup's fields)
 
 vLLM's async engine-core client shares nothing with the other targets' clients
 this way (in the benchmark's own process it delayed their socket wake-ups).
@@ -15,14 +15,14 @@ import dataclasses
 import json
 import sys
 
-from .targets import InProcessDirectTarget
+from .targets import EngineSetup, InProcessDirectTarget
 from .workload import Workload, closed_loop, open_loop
 
 PREFIX = "DIRECT_RESULT "
 
 
-async def main(model: str, executor: str = "model", graphs: str = "eager") -> None:
-    target = InProcessDirectTarget(model, executor, cuda_graphs=graphs == "cuda-graphs")
+async def main(model: str, setup: str = "{}") -> None:
+    target = InProcessDirectTarget(model, EngineSetup(**json.loads(setup)))
     await target.start()
     print(PREFIX + json.dumps({"ready": True}), flush=True)
     loop = asyncio.get_running_loop()
@@ -34,7 +34,12 @@ async def main(model: str, executor: str = "model", graphs: str = "eager") -> No
             if cmd["op"] == "stop":
                 break
             w = cmd["workload"]
-            workload = Workload(tuple(w["prompt_len"]), tuple(w["output_len"]), seed=w["seed"])
+            workload = Workload(
+                tuple(w["prompt_len"]),
+                tuple(w["output_len"]),
+                seed=w["seed"],
+                vocab_size=w["vocab_size"],
+            )
             reqs = workload.requests(cmd["count"], salt=cmd["salt"])
             cpu0 = target.frontend_cpu_s()
             if cmd["mode"] == "closed":
@@ -52,4 +57,4 @@ async def main(model: str, executor: str = "model", graphs: str = "eager") -> No
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    asyncio.run(main(*sys.argv[1:3]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +47,11 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 2048  # or the model's own context, when shorter
 ENGINE_FLAGS = [
     "--enforce-eager",
     "--gpu-memory-utilization",
     "0.2",
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
     "--skip-tokenizer-init",
 ]
 
@@ -60,25 +60,26 @@ DP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (2-core box)
 ZERO_EXECUTOR = "bench.zero_engine.ZeroComputeExecutor"
 
 
+@dataclass(frozen=True)
 class EngineSetup:
     """What every target's engine gets beyond ENGINE_FLAGS: vLLM flags and environment.
 
     ``executor``: "zero" runs vLLM's EngineCore with no model compute
     (bench/zero_engine.py); ``data_parallel_size`` > 1 starts that many engines (one
     core each here); ``cuda_graphs`` (GPU engines) drops ``--enforce-eager`` so that vLLM
-    captures CUDA graphs, as it does by default on a GPU.
+    captures CUDA graphs, as it does by default on a GPU; ``max_model_len`` is every
+    engine's context.
     """
 
-    def __init__(
-        self, executor: str = "model", data_parallel_size: int = 1, cuda_graphs: bool = False
-    ):
-        self.executor = executor
-        self.data_parallel_size = data_parallel_size
-        self.cuda_graphs = cuda_graphs
+    executor: str = "model"
+    data_parallel_size: int = 1
+    cuda_graphs: bool = False
+    max_model_len: int = MAX_MODEL_LEN
 
     @property
     def flags(self) -> list[str]:
         flags = [f for f in ENGINE_FLAGS if not (self.cuda_graphs and f == "--enforce-eager")]
+        flags += ["--max-model-len", str(self.max_model_len)]
         if self.executor == "zero":
             flags += ["--distributed-executor-backend", ZERO_EXECUTOR]
         if self.data_parallel_size > 1:
@@ -90,7 +91,7 @@ class EngineSetup:
         return dict(DP_ENV) if self.data_parallel_size > 1 else {}
 
     def with_dp(self, size: int) -> EngineSetup:
-        return EngineSetup(self.executor, size, self.cuda_graphs)
+        return dataclasses.replace(self, data_parallel_size=size)
 
 
 async def _record(generate: Any, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -464,10 +465,9 @@ class InProcessDirectTarget:
 
     name = "direct"
 
-    def __init__(self, model: str, executor: str = "model", cuda_graphs: bool = False):
+    def __init__(self, model: str, setup: EngineSetup | None = None):
         self.model = model
-        self.executor = executor
-        self.cuda_graphs = cuda_graphs
+        self.setup = setup or EngineSetup()
         self._engine: Any = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
@@ -477,12 +477,13 @@ class InProcessDirectTarget:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from gateway.vllm_engine import VllmEngine, default_engine_args
 
-        extra = {"distributed_executor_backend": ZERO_EXECUTOR} if self.executor == "zero" else {}
+        setup = self.setup
+        extra = {"distributed_executor_backend": ZERO_EXECUTOR} if setup.executor == "zero" else {}
         args = default_engine_args(
             self.model,
-            enforce_eager=not self.cuda_graphs,
+            enforce_eager=not setup.cuda_graphs,
             gpu_memory_utilization=0.2,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=setup.max_model_len,
             **extra,
         )
         self._engine = await VllmEngine.start(args)
@@ -552,8 +553,7 @@ class DirectTarget:
             "-m",
             "bench.direct_worker",
             self.model,
-            self.setup.executor,
-            "cuda-graphs" if self.setup.cuda_graphs else "eager",
+            json.dumps(dataclasses.asdict(self.setup)),
             cwd=ROOT,
             env={**_env(), STEPS_DIR_ENV: str(self._log_path.parent)},
             stdin=asyncio.subprocess.PIPE,
@@ -590,6 +590,7 @@ class DirectTarget:
                 "prompt_len": workload.prompt_len,
                 "output_len": workload.output_len,
                 "seed": workload.seed,
+                "vocab_size": workload.vocab_size,
             },
         }
         self._proc.stdin.write((json.dumps(cmd) + "\n").encode())

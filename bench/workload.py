@@ -34,6 +34,15 @@ class Workload:
         return out
 
 
+def model_shape(model: str) -> tuple[int, int | None]:
+    """``model``'s vocabulary size (prompts are drawn from [4, it)) and its context length
+    (``max_position_embeddings``, None if its config names none), from its config."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model).get_text_config()
+    return text.vocab_size, getattr(text, "max_position_embeddings", None)
+
+
 @dataclass
 class RequestRecord:
     """Client-side timings of one request (monotonic seconds)."""

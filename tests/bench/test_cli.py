@@ -59,4 +59,24 @@ def test_cuda_graphs_drop_enforce_eager_for_every_engine():
     assert "--enforce-eager" not in gpu.flags
     assert "--enforce-eager" not in gpu.with_dp(2).flags
     assert gpu.with_dp(2).flags[-2:] == ["--data-parallel-size", "2"]
-    assert "--max-model-len" in gpu.flags
+    short = EngineSetup(cuda_graphs=True, max_model_len=300).with_dp(2)
+    assert short.flags[short.flags.index("--max-model-len") + 1] == "300"
+    assert short.cuda_graphs and short.data_parallel_size == 2
+
+
+def test_prompts_are_drawn_from_the_models_vocabulary(tmp_path):
+    from bench.random_model import SHAPES
+    from bench.workload import Workload, model_shape
+    from gateway.tiny_model import ensure_tiny_model
+    from tests.helpers import tiny_model_variant
+
+    assert model_shape(str(ensure_tiny_model())) == (512, 2048)
+    small = tiny_model_variant(tmp_path / "small", config={"max_position_embeddings": 300})
+    assert model_shape(str(small)) == (512, 300)
+    (tmp_path / "llama3").mkdir()
+    (tmp_path / "llama3" / "config.json").write_text(json.dumps(SHAPES["llama-3.2-1b"]))
+    vocab, context = model_shape(str(tmp_path / "llama3"))
+    assert (vocab, context) == (128256, 131072)
+    requests = Workload((64, 64), (1, 1), vocab_size=vocab).requests(50)
+    ids = [i for prompt, _ in requests for i in prompt]
+    assert max(ids) < vocab and max(ids) > 65535
