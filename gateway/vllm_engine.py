@@ -110,7 +110,7 @@ def load_vllm_plugin() -> None:
         return
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    if "_sample" in vars(CPUModelRunner):  # loaded before in this process
+    if getattr(CPUModelRunner, "_engine_gateway_plugin", False):  # loaded before here
         return
     sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
 
@@ -140,6 +140,7 @@ def load_vllm_plugin() -> None:
 
     CPUModelRunner._sample = _sample
     CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    CPUModelRunner._engine_gateway_plugin = True
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

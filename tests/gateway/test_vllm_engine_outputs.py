@@ -221,3 +221,24 @@ async def test_exits_after_the_gateway_closed_the_engine_are_not_deaths(engine_p
 )
 def test_the_eos_ids_listed_are_those_vllm_stops_on(generation_config, tokenizer_eos, want):
     assert stopping_eos_token_ids(generation_config, tokenizer_eos) == want
+
+
+def test_the_vllm_plugin_is_registered_and_patches_the_cpu_runner_once():
+    import importlib.metadata
+
+    from gateway.vllm_engine import load_vllm_plugin
+
+    (entry,) = [
+        e
+        for e in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if e.name == "engine-gateway"
+    ]
+    assert entry.load() is load_vllm_plugin
+    load_vllm_plugin()
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample = CPUModelRunner._sample
+    assert sample is not GPUModelRunner._sample  # wrapped on the CPU runner only
+    load_vllm_plugin()  # vLLM may load plugins more than once in a process
+    assert CPUModelRunner._sample is sample
