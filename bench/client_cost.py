@@ -4,9 +4,10 @@
         --requests 1024 --output-len 512 [--gateway-pid PID] [--runs 3]
 
 Each request is one ``async for`` over ``client.generate`` (greedy, ``ignore_eos``, 32-token
-prompts), ``concurrency`` of them at a time, the way a coordinator consumes streams; nothing
-else runs in this process, so its CPU is the client's. With ``--gateway-pid`` the gateway
-process's CPU over the same runs is shown beside it. Against ``engine-gateway serve`` with
+prompts of one id from the model's vocabulary), ``concurrency`` of them at a time, the way a
+coordinator consumes streams; nothing else runs in this process, so its CPU is the client's.
+With ``--gateway-pid`` the gateway process's CPU over the same runs is shown beside it.
+Against ``engine-gateway serve`` with
 ``--distributed-executor-backend bench.zero_engine.ZeroComputeExecutor`` this is the
 client's side of the frontend ceiling.
 """
@@ -73,13 +74,14 @@ async def measure_client_cost(
     gateway's over the run."""
     sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     pending = list(range(requests))
+    vocab_size = client.hello_ack.model.vocab_size if client.hello_ack else 256
     tokens = 0
 
     async def worker() -> None:
         nonlocal tokens
         while pending:
             i = pending.pop()
-            async for out in client.generate([4 + i % 256] * prompt_len, sampling):
+            async for out in client.generate([i % vocab_size] * prompt_len, sampling):
                 tokens += len(out.new_token_ids)
 
     gateway0, cpu0, start = _process_cpu_s(gateway_pid), _own_cpu_s(), time.perf_counter()

@@ -1,5 +1,5 @@
 """bench.client_cost: every stream is read to its end and the CPU figures are reported
-(fake engine; no timing assertions)."""
+(fake engine; no timing assertions), on any model's vocabulary."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import os
 
 from bench.client_cost import measure_client_cost
 from client import AsyncClient
+from gateway.engine import EngineInfo
 from gateway.fake_engine import FakeEngine
 from tests.conftest import running_gateway
 
 
 async def test_every_token_of_every_stream_is_counted_with_both_cpu_figures():
+    small_vocab = EngineInfo("fake", 1024, 16, (2,), 20, 256)  # 20 prompts: ids 0..19 drawn
     async with (
-        running_gateway(FakeEngine()) as gateway,
+        running_gateway(FakeEngine(info=small_vocab)) as gateway,
         AsyncClient(gateway.addresses[0]) as client,
     ):
         cost = await measure_client_cost(
