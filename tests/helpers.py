@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +16,7 @@ from client import AsyncClient
 from codec import Error, ErrorCode, Outputs, RequestOutput, ServerMessage
 from gateway.engine import EngineInfo
 from gateway.fake_engine import FakeEngine, FakeOutput
+from gateway.process_exit import exit_status
 from gateway.sessions import Effects, GatewayLimits, SessionTable
 from gateway.tiny_model import ensure_tiny_model
 
@@ -199,3 +204,24 @@ async def stream_outcome(stream) -> BaseException | None:
     except Exception as exc:
         return exc
     return None
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie counts) or never was."""
+    return exit_status(pid) is not None or not Path(f"/proc/{pid}").exists()
+
+
+def wait_for(predicate, timeout: float) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "timed out"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -11,9 +11,16 @@ import signal
 
 import pytest
 
-from client import ErrorCode, GatewayPool, RequestFailed, SamplingParams, SessionLost
+from client import (
+    ErrorCode,
+    FinishReason,
+    GatewayPool,
+    RequestFailed,
+    SamplingParams,
+    SessionLost,
+)
 from gateway.group import EXIT_ENGINE_DEAD
-from tests.helpers import stream_outcome
+from tests.helpers import gone, kill_all, stream_outcome, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -80,3 +87,59 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
             await stream_outcome(stream)
     code = await asyncio.to_thread(supervisor.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, supervisor.output()[-3000:]
+
+
+async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process):
+    """The supervisor of two gateways on two data-parallel engines is SIGKILLed: the
+    engines and vLLM's DP coordinator stop by themselves (the engine-gateway vLLM plugin),
+    each gateway ends its live requests and exits 3, as if the supervisor had seen the
+    engines die. Before, all of them lived on, orphaned."""
+    supervisor = gateway_process(
+        "--gateway-count", "2", "--data-parallel-size", "2", "--max-model-len", "2048"
+    )
+    base = supervisor.address.removesuffix(".sock")
+    addresses = [f"{base}-0.sock", f"{base}-1.sock"]
+    async with GatewayPool(
+        addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=1
+    ) as pool:
+        async with asyncio.timeout(120):
+            while len(pool.connected) < 2:
+                await asyncio.sleep(0.05)
+        streams = [await started(pool, [3 + i]) for i in range(4)]
+        assert sorted(pool.in_flight().values()) == [2, 2]
+        family = {p.pid: " ".join(p.cmdline()) for p in supervisor.descendants()}
+        kinds = [
+            "DPCoordinator",
+            "EngineCore_DP0",
+            "EngineCore_DP1",
+            *gateway_pids(supervisor.output()).values(),
+        ]
+        for kind in kinds:
+            assert any(str(kind) in f"{pid} {line}" for pid, line in family.items()), kind
+        try:
+            supervisor.proc.kill()
+            supervisor.proc.wait()
+            # The engines abort their requests as they stop (finish ABORT), or the gateway
+            # got its SIGUSR1 first (ENGINE_DEAD); either way one terminal, at once.
+            async with asyncio.timeout(30):
+                outcomes = await asyncio.gather(*(ending(s) for s in streams))
+            assert set(outcomes) <= {FinishReason.ABORT, ErrorCode.ENGINE_DEAD}, outcomes
+            took = await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
+        finally:
+            kill_all(list(family))
+    assert took < 30, took
+    log = supervisor.output()
+    assert log.count("is gone: stopping (SIGTERM") == 3, log[-3000:]  # coordinator, engines
+    assert log.count("is gone: stopping (SIGUSR1") == 2, log[-3000:]  # gateways
+
+
+async def ending(stream) -> FinishReason | ErrorCode:
+    """How a stream ended: its finish reason, or the code of the error it failed with."""
+    reason = None
+    try:
+        async for out in stream:
+            if out.finished:
+                reason = out.finished.finish_reason
+    except RequestFailed as exc:
+        return exc.code
+    return reason

@@ -32,7 +32,7 @@ from client import (
 from codec import Abort, AbortAck, ErrorCode, Generate, Hello, Outputs, decode_server, encode
 from gateway.server import EXIT_ENGINE_DEAD
 from tests.conftest import TEST_MAX_MODEL_LEN
-from tests.helpers import RecordingClient, TerminalLedger
+from tests.helpers import RecordingClient, TerminalLedger, gone, kill_all, wait_for
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,6 +240,29 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(gateway_process
             assert len(client.terminals(f"d{i}")) == 1
             assert client.outputs_after_terminal(f"d{i}") == 0
     assert await asyncio.to_thread(gw.proc.wait, 60) == 0, gw.output()[-3000:]
+
+
+async def test_a_sigkilled_gateway_s_engine_stops_by_itself(gateway_process):
+    """SIGKILL (or the OOM killer) leaves the gateway no chance to stop its engine; vLLM's
+    EngineCore does not watch its parent and lived on, orphaned, holding its memory. Through
+    the engine-gateway vLLM plugin it now stops with every process under it."""
+    gw = gateway_process()
+    async with AsyncClient(gw.address, connect_timeout_s=240, reconnect_timeout_s=0.5) as client:
+        stream = client.generate([3], LONG)
+        await anext(stream)
+        family = [p.pid for p in gw.descendants()]
+        assert len(gw.engine_core_pids()) == 1, gw.output()[-2000:]
+        try:
+            gw.proc.kill()
+            gw.proc.wait()
+            took = await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
+        finally:
+            kill_all(family)
+        with pytest.raises(SessionLost):
+            async for _ in stream:
+                pass
+    assert took < 30, took  # 1-10 s here: vLLM's own shutdown, which waits for its worker
+    assert "is gone: stopping (SIGTERM" in gw.output()
 
 
 async def collect(stream) -> tuple[list[int], FinishReason | None]:
