@@ -404,7 +404,9 @@ async def _serve(
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, on_signal, signum)
         if client_config is not None:  # the supervisor saw the engine group die
-            loop.add_signal_handler(signal.SIGUSR1, engine.mark_dead)
+            from .group import engines_dead_reason
+
+            loop.add_signal_handler(signal.SIGUSR1, lambda: engine.mark_dead(engines_dead_reason()))
         serving = asyncio.ensure_future(gateway.serve())
         await asyncio.wait(
             [serving, asyncio.ensure_future(gateway.ready.wait())],

@@ -37,7 +37,7 @@ from typing import Any
 from .parent_watch import watch_parent
 from .preflight import gateway_bind_addresses
 
-__all__ = ["serve_group"]
+__all__ = ["engines_dead_reason", "serve_group"]
 
 logger = logging.getLogger("engine_gateway.group")
 EXIT_OK, EXIT_FAILED, EXIT_ENGINE_DEAD = 0, 1, 3
@@ -69,6 +69,15 @@ def gateway_process_main(
         print(f"engine-gateway serve: gateway {index}: error: {exc}", file=sys.stderr)
         code = 2
     sys.exit(code)
+
+
+def engines_dead_reason() -> str:
+    """Why a group's gateway was told (SIGUSR1) that its engines are dead: what its clients'
+    ENGINE_DEAD errors say."""
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None and not supervisor.is_alive():
+        return f"the gateways' supervisor (pid {supervisor.pid}) was killed; its engines stop"
+    return "the gateways' supervisor saw an engine process exit (its log names it)"
 
 
 def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:

@@ -800,19 +800,17 @@ class VllmEngine:
         if queue is not None:  # run_outputs / get_output raise it
             queue.put_nowait(EngineDead(f"{name} exited unexpectedly"))
 
-    def mark_dead(self) -> None:
+    def mark_dead(self, reason: str) -> None:
         """The engines died where this process cannot see them (a supervisor saw it):
         as vLLM's own engine monitor does, mark the client dead and shut it down; the
-        pending ``get_output`` raises EngineDead."""
-        from vllm.v1.engine.exceptions import EngineDeadError
-
+        pending ``get_output`` raises EngineDead(``reason``)."""
         client = self._client
         if client.resources.engine_dead:
             return
         client.resources.engine_dead = True
         queue = getattr(client, "outputs_queue", None)
         if queue is not None:
-            queue.put_nowait(EngineDeadError())
+            queue.put_nowait(EngineDead(reason))
         client.shutdown()
 
     async def aclose(self) -> None:

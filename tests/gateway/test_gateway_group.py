@@ -84,6 +84,7 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         os.kill(engine_pids[0], signal.SIGKILL)
         for error in await asyncio.gather(*(stream_outcome(s) for s in kept)):
             assert isinstance(error, RequestFailed) and error.code is ErrorCode.ENGINE_DEAD
+            assert "supervisor saw an engine process exit" in str(error)
         for stream in streams:
             await stream_outcome(stream)
     code = await asyncio.to_thread(supervisor.proc.wait, 60)
@@ -124,7 +125,12 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process):
             # got its SIGUSR1 first (ENGINE_DEAD); either way one terminal, at once.
             async with asyncio.timeout(30):
                 outcomes = await asyncio.gather(*(ending(s) for s in streams))
-            assert set(outcomes) <= {FinishReason.ABORT, ErrorCode.ENGINE_DEAD}, outcomes
+            for outcome in outcomes:
+                if isinstance(outcome, RequestFailed):
+                    assert outcome.code is ErrorCode.ENGINE_DEAD, outcome
+                    assert "supervisor (pid" in str(outcome) and "was killed" in str(outcome)
+                else:
+                    assert outcome is FinishReason.ABORT, outcome
             took = await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
         finally:
             kill_all(list(family))
@@ -136,13 +142,13 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process):
     assert log.count("is gone: stopping (SIGUSR1") == 2, log[-3000:]
 
 
-async def ending(stream) -> FinishReason | ErrorCode:
-    """How a stream ended: its finish reason, or the code of the error it failed with."""
+async def ending(stream) -> FinishReason | RequestFailed | None:
+    """How a stream ended: its finish reason, or the error it failed with."""
     reason = None
     try:
         async for out in stream:
             if out.finished:
                 reason = out.finished.finish_reason
     except RequestFailed as exc:
-        return exc.code
+        return exc
     return reason
