@@ -245,6 +245,17 @@ def describe_exit(process: Any) -> str:
     return process.name if code is None else f"{process.name} (exit status {code})"
 
 
+def _engine_failure(exc: BaseException) -> EngineDead:
+    """What clients are told when vLLM's output task ended with ``exc``."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):  # its own text points at a log only we can see
+        return EngineDead(
+            "the engine core failed (vLLM's EngineDeadError: the cause is in the gateway's log)"
+        )
+    return EngineDead(f"engine process failed: {exc!r}")
+
+
 @dataclass
 class EngineGroup:
     """Engines (and vLLM's DP coordinator) started for several gateway processes, as
@@ -566,7 +577,7 @@ class VllmEngine:
         try:
             step = await self._client.get_output_async()
         except Exception as exc:
-            raise EngineDead(f"engine process failed: {exc!r}") from exc
+            raise _engine_failure(exc) from exc
         return self._step_outputs(step)
 
     async def run_outputs(self, on_step: Callable[[Sequence[Any]], None]) -> None:
@@ -606,7 +617,7 @@ class VllmEngine:
             del queue.put_nowait
         if isinstance(failure, EngineDead):
             raise failure
-        raise EngineDead(f"engine process failed: {client._format_exception(failure)!r}")
+        raise _engine_failure(client._format_exception(failure))
 
     def _step_outputs(self, step: Any) -> Sequence[Any]:
         """One step's outputs for the gateway; raises EngineDead once vLLM gave up."""

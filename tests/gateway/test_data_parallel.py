@@ -20,8 +20,12 @@ from client import AsyncClient, ErrorCode, RequestFailed, RequestOptions, Sampli
 from gateway.server import EXIT_ENGINE_DEAD
 from gateway.tiny_model import ensure_tiny_model
 from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
-from tests.gateway.test_lifecycle import CLIENT_SCRIPT, wait_client_gone
-from tests.helpers import tiny_model_variant
+from tests.gateway.test_lifecycle import (
+    CLIENT_SCRIPT,
+    UNENDING,
+    long_context_args,
+    wait_client_gone,
+)
 from tests.offline_reference import run_offline_reference
 from tests.processes import ROOT
 
@@ -29,7 +33,6 @@ pytestmark = pytest.mark.engine
 
 ONE_CORE_PER_RANK = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # ANCHORS.md: DP on CPU
 LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore_eos=True)
-LONG_CONTEXT = 16384  # the kill tests' model and max_model_len
 GREEDY_CASES = [([5, 6, 7], 16), ([100, 200, 300, 400], 24)]
 
 
@@ -176,7 +179,7 @@ async def test_a_rank_out_of_range_is_refused_with_vllms_message(client):
 # about half a second (it watches the engine processes), but on a starved box the test's
 # own steps can take seconds while rank 1 streams ~900 tokens/s: a 2000-token stream could
 # complete first. The tiny model with a 16k context gives streams that outlive the group.
-ENDLESS = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
+ENDLESS = UNENDING
 # Both cores run an engine flat out there: a patient heartbeat (the default 1 s interval
 # times out after 3 s of a starved process).
 PATIENT = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
@@ -184,18 +187,12 @@ PATIENT = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
 
 def doomed_dp_gateway(gateway_process, tmp_path, *extra: str):
     """A DP=2 gateway process on a 16k-context copy of the tiny model, for ENDLESS."""
-    long_model = tiny_model_variant(
-        tmp_path / "tiny-llama-16k", config={"max_position_embeddings": LONG_CONTEXT}
-    )
     return gateway_process(
-        str(long_model),
-        "--enforce-eager",
+        *long_context_args(tmp_path),  # overrides the test default: requests outlive the kill
         "--gpu-memory-utilization",
         "0.2",
         "--data-parallel-size",
         "2",
-        "--max-model-len",  # overrides the test default: requests outlive the kill
-        str(LONG_CONTEXT),
         *extra,
         env=ONE_CORE_PER_RANK,
     )

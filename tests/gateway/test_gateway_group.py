@@ -21,6 +21,7 @@ from client import (
 )
 from gateway.group import EXIT_ENGINE_DEAD
 from gateway.parent_watch import STOP_GRACE_S
+from tests.gateway.test_data_parallel import ENDLESS, PATIENT, doomed_dp_gateway
 from tests.helpers import gone, kill_all, stream_outcome, wait_for
 
 pytestmark = pytest.mark.engine
@@ -91,23 +92,21 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
     assert code == EXIT_ENGINE_DEAD, supervisor.output()[-3000:]
 
 
-async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process):
+async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, tmp_path):
     """The supervisor of two gateways on two data-parallel engines is SIGKILLed: the
     engines and vLLM's DP coordinator stop by themselves (the engine-gateway vLLM plugin),
     each gateway ends its live requests and exits 3, as if the supervisor had seen the
     engines die. Before, all of them lived on, orphaned."""
-    supervisor = gateway_process(
-        "--gateway-count", "2", "--data-parallel-size", "2", "--max-model-len", "2048"
-    )
+    supervisor = doomed_dp_gateway(gateway_process, tmp_path, "--gateway-count", "2")
     base = supervisor.address.removesuffix(".sock")
     addresses = [f"{base}-0.sock", f"{base}-1.sock"]
-    async with GatewayPool(
-        addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=1
-    ) as pool:
+    async with GatewayPool(addresses, reconnect_timeout_s=1, **PATIENT) as pool:
         async with asyncio.timeout(120):
             while len(pool.connected) < 2:
                 await asyncio.sleep(0.05)
-        streams = [await started(pool, [3 + i]) for i in range(4)]
+        streams = [pool.generate([3 + i], ENDLESS) for i in range(4)]
+        for stream in streams:
+            await anext(stream)
         assert sorted(pool.in_flight().values()) == [2, 2]
         family = {p.pid: " ".join(p.cmdline()) for p in supervisor.descendants()}
         kinds = [

@@ -33,7 +33,14 @@ from codec import Abort, AbortAck, ErrorCode, Generate, Hello, Outputs, decode_s
 from gateway.parent_watch import STOP_GRACE_S
 from gateway.server import EXIT_ENGINE_DEAD
 from tests.conftest import TEST_MAX_MODEL_LEN
-from tests.helpers import RecordingClient, TerminalLedger, gone, kill_all, wait_for
+from tests.helpers import (
+    RecordingClient,
+    TerminalLedger,
+    gone,
+    kill_all,
+    tiny_model_variant,
+    wait_for,
+)
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +49,24 @@ LONG = SamplingParams(temperature=0.0, max_tokens=TEST_MAX_MODEL_LEN - 8, ignore
 # --max-model-len ENDLESS_MAX_MODEL_LEN (the tests' default, 512, would end them sooner).
 ENDLESS_MAX_MODEL_LEN = 2048
 ENDLESS = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+# Streams that outlive whatever a test does next, even on a starved box (where a 504- or
+# 2000-token stream can finish during a few seconds' stall): the tiny model with a 16k
+# context, whole-context requests.
+LONG_CONTEXT = 16384
+UNENDING = SamplingParams(temperature=0.0, max_tokens=LONG_CONTEXT - 16, ignore_eos=True)
+
+
+def long_context_model(tmp_path: Path) -> Path:
+    """A copy of the tiny model with a 16k context, for UNENDING requests."""
+    return tiny_model_variant(
+        tmp_path / "tiny-llama-16k", config={"max_position_embeddings": LONG_CONTEXT}
+    )
+
+
+def long_context_args(tmp_path: Path) -> tuple[str, ...]:
+    """``serve`` arguments for a gateway process on that model."""
+    model = str(long_context_model(tmp_path))
+    return (model, "--max-model-len", str(LONG_CONTEXT), "--enforce-eager")
 
 
 async def wait_engine_idle(engine, timeout: float = 5.0) -> float:
@@ -243,13 +268,13 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(gateway_process
     assert await asyncio.to_thread(gw.proc.wait, 60) == 0, gw.output()[-3000:]
 
 
-async def test_a_sigkilled_gateway_s_engine_stops_by_itself(gateway_process):
+async def test_a_sigkilled_gateway_s_engine_stops_by_itself(gateway_process, tmp_path):
     """SIGKILL (or the OOM killer) leaves the gateway no chance to stop its engine; vLLM's
     EngineCore does not watch its parent and lived on, orphaned, holding its memory. Through
     the engine-gateway vLLM plugin it now stops with every process under it."""
-    gw = gateway_process()
+    gw = gateway_process(*long_context_args(tmp_path))
     async with AsyncClient(gw.address, connect_timeout_s=240, reconnect_timeout_s=0.5) as client:
-        stream = client.generate([3], LONG)
+        stream = client.generate([3], UNENDING)
         await anext(stream)
         family = [p.pid for p in gw.descendants()]
         assert len(gw.engine_core_pids()) == 1, gw.output()[-2000:]
@@ -265,6 +290,38 @@ async def test_a_sigkilled_gateway_s_engine_stops_by_itself(gateway_process):
     # 1-10 s here (vLLM's own shutdown waits for its worker); SIGKILL after the grace.
     assert took < STOP_GRACE_S + 10, took
     assert "is gone: stopping (SIGTERM" in gw.output()
+
+
+async def test_a_killed_engine_worker_ends_every_request_with_engine_dead(
+    gateway_process, tmp_path
+):
+    """The engine's model-runner process (``VLLM::Worker``) is SIGKILLed: vLLM's EngineCore
+    sees it and fails; every live request ends with ENGINE_DEAD saying so (not vLLM's "see
+    stack trace above", which a client cannot see), the gateway exits 3, nothing is left."""
+    gw = gateway_process(*long_context_args(tmp_path))
+    async with AsyncClient(gw.address, connect_timeout_s=240) as client:
+        streams = [client.generate([i + 3], UNENDING) for i in range(3)]
+        for stream in streams:
+            await anext(stream)
+        family = [p.pid for p in gw.descendants()]
+        workers = gw.pids_named("VLLM::Worker")
+        assert len(workers) == 1, gw.output()[-2000:]
+        try:
+            os.kill(workers[0], signal.SIGKILL)
+            async with asyncio.timeout(30):
+                for stream in streams:
+                    with pytest.raises(RequestFailed) as info:
+                        async for _ in stream:
+                            pass
+                    assert info.value.code is ErrorCode.ENGINE_DEAD
+                    # What vLLM reported, or (had the EngineCore's exit been seen first)
+                    # the process watch's words; never "see stack trace (above)".
+                    text = str(info.value)
+                    assert "the engine core failed" in text or "EngineCore (exit" in text, text
+            assert await asyncio.to_thread(gw.proc.wait, 60) == EXIT_ENGINE_DEAD
+            await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
+        finally:
+            kill_all(family)
 
 
 async def collect(stream) -> tuple[list[int], FinishReason | None]:
