@@ -21,13 +21,15 @@ from client import (
 )
 from gateway.group import EXIT_ENGINE_DEAD
 from gateway.parent_watch import STOP_GRACE_S
-from tests.gateway.test_data_parallel import ENDLESS, PATIENT, doomed_dp_gateway
+from tests.gateway.test_data_parallel import PATIENT, doomed_dp_gateway
+from tests.gateway.test_lifecycle import UNENDING, long_context_args
 from tests.helpers import gone, kill_all, stream_outcome, wait_for
 
 pytestmark = pytest.mark.engine
 
-# Long enough to outlive everything below (the test's gateways run with 2048).
-LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+# Streams outlive everything below (a 16k-context model): on a starved box a 2000-token
+# stream could finish before the kill it waits for.
+LONG = UNENDING
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -43,8 +45,8 @@ async def started(pool: GatewayPool, prompt: list[int]):
     return stream
 
 
-async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_process):
-    supervisor = gateway_process("--gateway-count", "2", "--max-model-len", "2048")
+async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_process, tmp_path):
+    supervisor = gateway_process(*long_context_args(tmp_path), "--gateway-count", "2")
     base = supervisor.address.removesuffix(".sock")
     addresses = [f"{base}-0.sock", f"{base}-1.sock"]
     # A patient heartbeat: a starved box is slow to answer (its pauses are forgiven).
@@ -104,7 +106,7 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, 
         async with asyncio.timeout(120):
             while len(pool.connected) < 2:
                 await asyncio.sleep(0.05)
-        streams = [pool.generate([3 + i], ENDLESS) for i in range(4)]
+        streams = [pool.generate([3 + i], LONG) for i in range(4)]
         for stream in streams:
             await anext(stream)
         assert sorted(pool.in_flight().values()) == [2, 2]
