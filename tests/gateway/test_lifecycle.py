@@ -64,9 +64,19 @@ def long_context_model(tmp_path: Path) -> Path:
 
 
 def long_context_args(tmp_path: Path) -> tuple[str, ...]:
-    """``serve`` arguments for a gateway process on that model."""
+    """``serve`` arguments for a gateway process on that model. Its send queue per client
+    holds every frame of four UNENDING streams: a test starved while it does something else
+    is not cut off as a slow consumer (16k frames a stream, past the default 10,000)."""
     model = str(long_context_model(tmp_path))
-    return (model, "--max-model-len", str(LONG_CONTEXT), "--enforce-eager")
+    hwm = str(8 * LONG_CONTEXT)
+    return (
+        model,
+        "--max-model-len",
+        str(LONG_CONTEXT),
+        "--enforce-eager",
+        "--client-send-hwm",
+        hwm,
+    )
 
 
 async def wait_engine_idle(engine, timeout: float = 5.0) -> float:
