@@ -34,7 +34,7 @@ from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from .parent_watch import watch_parent
+from .parent_watch import parent_gone, watch_parent
 from .preflight import gateway_bind_addresses
 
 __all__ = ["engines_dead_reason", "serve_group"]
@@ -74,8 +74,8 @@ def gateway_process_main(
 def engines_dead_reason() -> str:
     """Why a group's gateway was told (SIGUSR1) that its engines are dead: what its clients'
     ENGINE_DEAD errors say."""
-    supervisor = multiprocessing.parent_process()
-    if supervisor is not None and not supervisor.is_alive():
+    supervisor = multiprocessing.parent_process()  # it spawned this process: its pid is ppid
+    if supervisor is not None and parent_gone(supervisor, supervisor.pid):
         return f"the gateways' supervisor (pid {supervisor.pid}) was killed; its engines stop"
     return "the gateways' supervisor saw an engine process exit (its log names it)"
 

@@ -21,7 +21,7 @@ import threading
 import time
 from multiprocessing import connection
 
-__all__ = ["PARENT_POLL_S", "STOP_GRACE_S", "watch_parent"]
+__all__ = ["PARENT_POLL_S", "STOP_GRACE_S", "parent_gone", "watch_parent"]
 
 PARENT_POLL_S = 1.0  # how often the parent pid is compared, beside the sentinel's wait
 STOP_GRACE_S = 30.0  # from SIGTERM to SIGKILL
@@ -48,6 +48,17 @@ def watch_parent(
     return thread
 
 
+def parent_gone(
+    parent: multiprocessing.process.BaseProcess, ppid: int, timeout: float = 0.0
+) -> bool:
+    """Whether ``parent`` (this process's multiprocessing parent; ``ppid``: this process's
+    parent pid while it lived) has exited, waiting up to ``timeout`` for it. Its sentinel
+    closes when it exits, but also stays open while a process it forked later still holds
+    it; the parent pid changes when this process is reparented. Either one tells; the
+    sentinel tells at once."""
+    return os.getppid() != ppid or bool(connection.wait([parent.sentinel], timeout=timeout))
+
+
 def _stop_when_gone(
     parent: multiprocessing.process.BaseProcess,
     ppid: int,
@@ -55,11 +66,7 @@ def _stop_when_gone(
     poll_s: float,
     grace_s: float,
 ) -> None:
-    # The sentinel closes when the parent exits, but also stays open while a process it
-    # forked later still holds it; the parent pid changes when this process is reparented.
-    # Either one tells; the sentinel tells at once.
-    sentinel = parent.sentinel
-    while os.getppid() == ppid and not connection.wait([sentinel], timeout=poll_s):
+    while not parent_gone(parent, ppid, poll_s):
         pass
     logger.warning(
         "the process that started this one (pid %d) is gone: stopping (%s, then SIGKILL "
