@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from tests.conftest import TEST_MAX_MODEL_LEN, ipc_address
+from tests.helpers import kill_all
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,9 +67,7 @@ class Process:
             self.proc.wait()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in orphans:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(orphans)
         if self.log.closed:  # stopped before
             return
         # Shown by pytest only when the test failed (captured teardown output).

@@ -175,18 +175,17 @@ async def test_a_rank_out_of_range_is_refused_with_vllms_message(client):
     assert "out of range" in str(info.value)
 
 
-# Streams that outlive an engine group killed under them. The gateway sees a death within
-# about half a second (it watches the engine processes), but on a starved box the test's
-# own steps can take seconds while rank 1 streams ~900 tokens/s: a 2000-token stream could
-# complete first. The tiny model with a 16k context gives streams that outlive the group.
-ENDLESS = UNENDING
+# The kill tests' streams (UNENDING) outlive an engine group killed under them. The gateway
+# sees a death within about half a second (it watches the engine processes), but on a
+# starved box the test's own steps can take seconds while rank 1 streams ~900 tokens/s: a
+# 2000-token stream could complete first.
 # Both cores run an engine flat out there: a patient heartbeat (the default 1 s interval
 # times out after 3 s of a starved process).
 PATIENT = dict(connect_timeout_s=240, heartbeat_interval_s=5.0)
 
 
 def doomed_dp_gateway(gateway_process, tmp_path, *extra: str):
-    """A DP=2 gateway process on a 16k-context copy of the tiny model, for ENDLESS."""
+    """A DP=2 gateway process on a 16k-context copy of the tiny model, for UNENDING."""
     return gateway_process(
         *long_context_args(tmp_path),  # overrides the test default: requests outlive the kill
         "--gpu-memory-utilization",
@@ -216,7 +215,7 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
             """How the stream ended: the error code or finish reason, tokens, seconds."""
             tokens = 0
             try:
-                async for frame in client.generate([7 + rank], ENDLESS, options=pinned(rank)):
+                async for frame in client.generate([7 + rank], UNENDING, options=pinned(rank)):
                     tokens += len(frame.new_token_ids)
                     first_token.set()
                     ending = frame.finished.finish_reason.name if frame.finished else "none"
@@ -250,7 +249,7 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         # Rank 1's older streams: ENGINE_DEAD, or they completed before the gateway could
         # know of the death (a request that completed is not a live one); never a cut.
         for how, tokens, ended in ends[1:3]:
-            completed = (how, tokens) == ("LENGTH", ENDLESS.max_tokens)
+            completed = (how, tokens) == ("LENGTH", UNENDING.max_tokens)
             assert how == "ENGINE_DEAD" or (completed and ended < killed_at + 1), seen
     code = await asyncio.to_thread(gw.proc.wait, 60)
     assert code == EXIT_ENGINE_DEAD, gw.output()[-3000:]
@@ -265,7 +264,7 @@ async def test_a_killed_dp_coordinator_ends_every_request_with_engine_dead_and_e
     on both ranks end with ENGINE_DEAD naming it, and the gateway exits 3."""
     gw = doomed_dp_gateway(gateway_process, tmp_path)
     async with AsyncClient(gw.address, name="dp", **PATIENT) as client:
-        streams = [client.generate([7], ENDLESS, options=pinned(rank)) for rank in (0, 1)]
+        streams = [client.generate([7], UNENDING, options=pinned(rank)) for rank in (0, 1)]
         async with asyncio.timeout(60):  # both running
             for stream in streams:
                 await anext(stream)

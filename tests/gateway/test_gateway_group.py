@@ -27,9 +27,6 @@ from tests.helpers import gone, kill_all, stream_outcome, wait_for
 
 pytestmark = pytest.mark.engine
 
-# Streams outlive everything below (a 16k-context model): on a starved box a 2000-token
-# stream could finish before the kill it waits for.
-LONG = UNENDING
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -39,8 +36,9 @@ def gateway_pids(log: str) -> dict[int, int]:
 
 
 async def started(pool: GatewayPool, prompt: list[int]):
-    """A long stream past its first output."""
-    stream = pool.generate(prompt, LONG)
+    """A stream past its first output that outlives everything below (a 16k-context model:
+    on a starved box a 2000-token stream could finish before the kill it waits for)."""
+    stream = pool.generate(prompt, UNENDING)
     await anext(stream)
     return stream
 
@@ -59,7 +57,7 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         # Both gateways serve the same engine: same greedy tokens through either one.
         results = [await client.complete([7, 8, 9], GREEDY) for client in pool.clients]
         assert results[0].token_ids == results[1].token_ids
-        streams = [pool.generate([3 + i], LONG) for i in range(4)]
+        streams = [pool.generate([3 + i], UNENDING) for i in range(4)]
         for stream in streams:
             await anext(stream)
         assert sorted(pool.in_flight().values()) == [2, 2]
@@ -106,7 +104,7 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, 
         async with asyncio.timeout(120):
             while len(pool.connected) < 2:
                 await asyncio.sleep(0.05)
-        streams = [pool.generate([3 + i], LONG) for i in range(4)]
+        streams = [pool.generate([3 + i], UNENDING) for i in range(4)]
         for stream in streams:
             await anext(stream)
         assert sorted(pool.in_flight().values()) == [2, 2]

@@ -16,6 +16,7 @@ from multiprocessing import connection
 import pytest
 
 from gateway.process_exit import exit_status
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's /proc")
 SPAWN = multiprocessing.get_context("spawn")
@@ -32,13 +33,6 @@ def exit_with_3() -> None:
 def main_thread_exits_while_a_thread_lingers() -> None:
     threading.Thread(target=time.sleep, args=(600,)).start()
     ctypes.CDLL(None).pthread_exit(None)  # only this thread ends; the process lives on
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -77,7 +71,7 @@ def test_an_ended_process_not_yet_reaped_reads_as_multiprocessing_reports_it(
     process = started(target)
     if end is not None:
         os.kill(process.pid, end)
-    wait_until(lambda: connection.wait([process.sentinel], 0))  # ended; nobody reaped it
+    wait_for(lambda: connection.wait([process.sentinel], 0), 10)  # ended; nobody reaped it
     assert exit_status(process.pid) == status
     process.join(5)
     assert process.exitcode == status
@@ -85,7 +79,7 @@ def test_an_ended_process_not_yet_reaped_reads_as_multiprocessing_reports_it(
 
 def test_a_main_thread_that_exited_shows_before_the_sentinel_does(started):
     process = started(main_thread_exits_while_a_thread_lingers)
-    wait_until(lambda: exit_status(process.pid) is not None)
+    wait_for(lambda: exit_status(process.pid) is not None, 10)
     assert exit_status(process.pid) == 0
     assert not connection.wait([process.sentinel], 0.5)  # its pipes are still open
 
