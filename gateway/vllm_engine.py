@@ -21,7 +21,7 @@ import multiprocessing
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from copy import copy
 from dataclasses import dataclass
 from multiprocessing import connection
@@ -100,10 +100,15 @@ def load_vllm_plugin() -> None:
     - vLLM's EngineCore and DP-coordinator processes stop once the process that started
       them is gone: they do not watch their parent, so a SIGKILLed (or OOM-killed) gateway
       left them running, holding the engine's memory (``gateway.parent_watch``).
+    - A checkpoint that cannot be loaded no longer kills the engine: vLLM's in-place
+      ``reload_weights`` moves every layer to the meta device before it reads the files, so
+      a wrong path, a missing file or a tensor of another shape left layers without
+      weights, and the next step killed the engine for every client (``_check_reload``).
     - On the CPU platform, seeded sampling survives chunked prefill (below).
     """
     _stop_engine_core_with_its_parent()
     _stop_dp_coordinator_with_its_parent()
+    _reload_weights_safely()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -145,6 +150,179 @@ def _run_dp_coordinator(*args: Any, **kwargs: Any) -> None:
         DPCoordinatorProc, "_engine_gateway_run_coordinator", DPCoordinatorProc.run_coordinator
     )
     run(*args, **kwargs)
+
+
+def _reload_weights_safely() -> None:
+    """Wrap vLLM's worker ``reload_weights`` (from disk) with ``_check_reload`` before it and
+    ``_abandon_reload`` after a failure, so that a bad checkpoint is refused by name and the
+    engine serves on."""
+    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base class too
+
+    if getattr(Worker, "_engine_gateway_plugin", False):
+        return
+    reload = Worker.reload_weights
+
+    def reload_weights(
+        self: Any,
+        weights_iterator: Any = None,
+        weights_path: str | None = None,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        if weights_iterator is not None or not is_checkpoint_format:  # not from disk
+            reload(self, weights_iterator, weights_path, is_checkpoint_format)
+            return
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()
+        model_config = self.vllm_config.model_config
+        path = model_config.model if weights_path is None else weights_path
+        with set_current_vllm_config(self.vllm_config):
+            _check_reload(model, model_config, self.vllm_config.load_config, path)
+        source = (model_config.model, model_config.model_weights, model_config.revision)
+        finished = 0
+
+        def process_and_count(process: Callable[[Any, Any], None], layer: Any, info: Any) -> None:
+            nonlocal finished
+            process(layer, info)
+            finished += 1
+
+        try:
+            with _layer_processing(process_and_count):
+                reload(self, weights_path=weights_path)
+        except Exception as exc:
+            # vLLM pointed the config at the new path first; it still serves the old one.
+            model_config.model, model_config.model_weights, model_config.revision = source
+            _abandon_reload(model)
+            raise RuntimeError(
+                f"reloading weights from {path!r} failed part-way ({exc}); the engine serves"
+                f" on, {finished} layers with new weights and the others with their old"
+                " ones: reload a whole checkpoint"
+                if finished
+                else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
+            ) from exc
+
+    Worker.reload_weights = reload_weights
+    Worker._engine_gateway_plugin = True
+
+
+# safetensors' dtype names (the header's "dtype"), for the meta tensors of a dry run.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+def _check_reload(model: Any, model_config: Any, load_config: Any, path: str) -> None:
+    """Refuse, before any weight moves, a checkpoint vLLM's reload would die on: ``path`` is
+    not a folder, holds no weight files, or (safetensors) has an unreadable header, a file
+    its index names is missing, or a tensor the model has no place for or of another shape.
+    The tensors are checked by a dry run of the model's own ``load_weights`` on meta tensors
+    of the headers' shapes (nothing is read but headers; no layer is processed)."""
+    import glob
+    import os
+
+    import torch
+    from safetensors import safe_open
+    from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files
+
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a folder on the engine's machine")
+    if load_config.load_format not in ("auto", "safetensors", "pt"):
+        return  # vLLM's other loaders read other things; it checks them itself
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        if load_config.load_format != "safetensors" and glob.glob(os.path.join(path, "*.bin")):
+            return  # no headers to check: a failure part-way is undone (_abandon_reload)
+        raise ValueError(f"{path!r} holds no weight files (*.safetensors)")
+    try:
+        files = filter_duplicate_safetensors_files(files, path, "model.safetensors.index.json")
+    except FileNotFoundError as exc:
+        raise ValueError(f"{path!r}: {exc}") from None
+    shapes: dict[str, tuple[list[int], Any]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (not a dict)
+                    tensor = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype(), "float32")
+                    shapes[name] = (tensor.get_shape(), getattr(torch, dtype))
+        except Exception as exc:  # safetensors' own error type differs between releases
+            raise ValueError(f"{file!r} is not a readable safetensors file: {exc}") from None
+    try:
+        _dry_run_load(model, shapes)
+    except ValueError as exc:
+        raise ValueError(f"{path!r} does not fit the served model: {exc}") from None
+    except Exception:  # an op meta tensors lack (some quantized loaders): the real load tells
+        logger.debug("reload dry run inconclusive for %s", path, exc_info=True)
+
+
+def _dry_run_load(model: Any, shapes: dict[str, tuple[list[int], Any]]) -> None:
+    """The model's ``load_weights`` on meta tensors, inside vLLM's layerwise reload with its
+    per-layer processing held back, then every layer put back as it was. Raises ValueError
+    naming the tensor the model refused (no place for it, or another shape)."""
+    import torch
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    current: tuple[str, list[int]] = ("", [])
+
+    def meta_tensors() -> Iterator[tuple[str, Any]]:
+        nonlocal current
+        for name, (shape, dtype) in shapes.items():
+            current = (name, shape)
+            yield name, torch.empty(shape, dtype=dtype, device="meta")
+
+    with _layer_processing(lambda process, layer, info: None):
+        layerwise.initialize_layerwise_reload(model)
+        try:
+            model.load_weights(meta_tensors())
+        except (ValueError, KeyError, AssertionError, IndexError) as exc:
+            name, shape = current
+            why = repr(exc)  # vLLM may list every parameter of the model: cut it short
+            why = why if len(why) <= 400 else f"{why[:400]}..."
+            raise ValueError(f"tensor {name!r} of shape {shape}: {why}") from None
+        finally:
+            _abandon_reload(model)
+
+
+@contextlib.contextmanager
+def _layer_processing(replacement: Callable[[Any, Any, Any], None]) -> Iterator[None]:
+    """Within: vLLM's layerwise reload calls ``replacement(process, layer, info)`` where it
+    would process a layer whose weights all arrived (``process(layer, info)``)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    process = layerwise._layerwise_process
+    layerwise._layerwise_process = lambda layer, info: replacement(process, layer, info)
+    try:
+        yield
+    finally:
+        layerwise._layerwise_process = process
+
+
+def _abandon_reload(model: Any) -> None:
+    """End vLLM's layerwise reload where it stopped: each layer it has not finished (waiting
+    on the meta device, or half-built, while its old tensors are kept aside) gets those
+    old tensors back. Layers it finished keep their new weights."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    layerwise.LOADING_LAYERS.clear()
 
 
 def _keep_seeded_streams_across_chunked_prefill() -> None:
@@ -254,6 +432,32 @@ def _engine_failure(exc: BaseException) -> EngineDead:
             "the engine core failed (vLLM's EngineDeadError: the cause is in the gateway's log)"
         )
     return EngineDead(f"engine process failed: {exc!r}")
+
+
+# How vLLM reports a utility call that raised in the engine, and in its workers.
+_UTILITY_FAILURE = re.compile(r"Call to \w+ method failed: (?P<text>.*)", re.DOTALL)
+_WORKER_FAILURE = re.compile(
+    r"Worker failed with error '(?P<text>.*)', please check the stack trace above.*", re.DOTALL
+)
+
+
+async def _files_call(operation: str, call: Awaitable[Any]) -> Any:
+    """An engine call that loads files the caller named (weights, an adapter). vLLM's refusal
+    is the caller's: ``RequestRejected`` (INVALID_REQUEST) with vLLM's words, less its
+    pointer to a stack trace only the gateway's log has; a dead engine is ``EngineDead``."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        return await call
+    except EngineDeadError as exc:
+        raise _engine_failure(exc) from exc
+    except Exception as exc:
+        text = str(exc)
+        for pattern in (_UTILITY_FAILURE, _WORKER_FAILURE):
+            if match := pattern.fullmatch(text):
+                text = match["text"]
+        logger.warning("%s refused: %s", operation, text)
+        raise RequestRejected(f"{operation} failed: {text}") from exc
 
 
 @dataclass
@@ -651,7 +855,10 @@ class VllmEngine:
     async def reload_weights(self, path: str, version: str | None) -> dict[str, Any]:
         """vLLM's reload_weights from ``path`` on every worker, then a prefix-cache reset
         (cached KV came from the old weights) and the new version, if given."""
-        await self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path})
+        await _files_call(
+            "ReloadWeights",
+            self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path}),
+        )
         reset = bool(await self._client.reset_prefix_cache_async())
         if version is not None:
             await self.set_weight_version(version)
@@ -690,7 +897,9 @@ class VllmEngine:
         if name in self._lora_modules:
             raise RequestRejected(f"LoRA adapter {name!r} is already loaded; unload it first")
         lora_int_id = max((i for i, _ in self._lora_modules.values()), default=0) + 1
-        added = await self._client.add_lora_async(LoRARequest(name, lora_int_id, path))
+        added = await _files_call(
+            "LoadLora", self._client.add_lora_async(LoRARequest(name, lora_int_id, path))
+        )
         if not added:
             raise RequestRejected(f"vLLM did not load LoRA adapter {name!r} from {path!r}")
         self._lora_modules[name] = (lora_int_id, path)

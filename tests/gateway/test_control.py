@@ -260,3 +260,130 @@ async def test_sleep_and_wake_up_are_unsupported_on_cpu_with_vllms_reason(client
         assert "Sleep mode is not supported on current platform" in info.value.message
     assert not (await client.health()).paused  # nothing was paused on the way
     assert (await client.complete([1, 2], greedy(3))).output_tokens == 3
+
+
+def tiny_model_tensors() -> dict:
+    from safetensors.torch import load_file
+
+    from gateway.tiny_model import ensure_tiny_model
+
+    tensors = {}
+    for file in sorted(ensure_tiny_model().glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def write_bad_checkpoints(root) -> dict[str, tuple[str, str]]:
+    """Checkpoints vLLM's reload cannot load, each with what the refusal must name."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = tiny_model_tensors()
+    rows, width = tensors["model.embed_tokens.weight"].shape
+    cases = {"missing": (str(root / "missing"), "is not a folder on the engine's machine")}
+    cases["empty path"] = ("", "'' is not a folder on the engine's machine")
+    (root / "empty").mkdir()
+    cases["empty"] = (str(root / "empty"), "holds no weight files")
+    (root / "corrupt").mkdir()
+    (root / "corrupt" / "model.safetensors").write_bytes(b"\x10" + bytes(7) + b"not json")
+    cases["corrupt"] = (str(root / "corrupt"), "is not a readable safetensors file")
+    checkpoints = {
+        # Every tensor right but one: vLLM's reload would finish other layers before it.
+        "stranger": {**tensors, "model.layers.9.mlp.extra.weight": torch.zeros(4, 4)},
+        "shape": {**tensors, "model.embed_tokens.weight": torch.zeros(rows + 8, width)},
+    }
+    for name, checkpoint in checkpoints.items():
+        (root / name).mkdir()
+        save_file(checkpoint, root / name / "model.safetensors")
+    cases["stranger"] = (str(root / "stranger"), "tensor 'model.layers.9.mlp.extra.weight'")
+    cases["shape"] = (
+        str(root / "shape"),
+        f"'model.embed_tokens.weight' of shape [{rows + 8}, {width}]",
+    )
+    (root / "index").mkdir()
+    save_file(tensors, root / "index" / "model-00001-of-00002.safetensors")
+    weight_map = {
+        n: f"model-0000{1 + (n == 'lm_head.weight')}-of-00002.safetensors" for n in tensors
+    }
+    (root / "index" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map})
+    )
+    cases["index"] = (str(root / "index"), "referenced in index but missing")
+    return cases
+
+
+async def test_a_checkpoint_vllm_cannot_load_is_refused_by_name_and_nothing_changes(
+    client, tmp_path
+):
+    """vLLM's reload moves every layer to the meta device before reading the files: a wrong
+    path or a tensor that does not fit used to leave the engine without weights, dead at its
+    next step for every client. The gateway refuses each such checkpoint, naming why, and
+    the engine serves on with its weights and version unchanged."""
+    prompt = [17, 18, 19, 20]
+    before = await client.complete(prompt, greedy(16))
+    for case, (path, named) in write_bad_checkpoints(tmp_path).items():
+        with pytest.raises(RequestFailed) as info:
+            await client.reload_weights(path, version="never")
+        assert info.value.code is ErrorCode.INVALID_REQUEST, case
+        assert (
+            info.value.message.startswith("ReloadWeights failed: ") and named in info.value.message
+        ), case
+        after = await client.complete(prompt, greedy(16))
+        assert after.token_ids == before.token_ids, case
+        assert after.weight_versions == before.weight_versions, case
+    assert (await client.health()).state == "serving"
+
+
+async def test_a_reload_failing_part_way_leaves_the_engine_serving(client, tmp_path):
+    """A checkpoint without safetensors headers to check (torch .bin shards) whose second
+    half fails to load: the layers loaded so far keep their new weights, the others get
+    their old ones back, the caller is told so, and the engine serves on; reloading a whole
+    checkpoint then gives the old output back."""
+    import torch
+
+    from gateway.tiny_model import ensure_tiny_model
+
+    tensors = tiny_model_tensors()
+    shards = [
+        {n: t * 0.5 for n, t in tensors.items() if f"layers.{layer}." in n} for layer in (0, 1)
+    ]
+    # Shard 2 ends with a tensor of the wrong shape: whichever shard vLLM reads first, at
+    # least one whole layer is loaded (and processed) before the failure.
+    shards[1]["model.norm.weight"] = torch.zeros(7)
+    for i, shard in enumerate(shards, 1):
+        torch.save(shard, tmp_path / f"pytorch_model-0000{i}-of-00002.bin")
+    prompt = [17, 18, 19, 20]
+    before = await client.complete(prompt, greedy(16))
+    with pytest.raises(RequestFailed) as info:
+        await client.reload_weights(str(tmp_path), version="half")
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+    assert (
+        "failed part-way" in info.value.message and "layers with new weights" in info.value.message
+    )
+    mixed = await client.complete(prompt, greedy(16))
+    assert mixed.token_ids != before.token_ids  # some layers did change, as it says
+    assert mixed.weight_versions == before.weight_versions
+    await client.reload_weights(str(ensure_tiny_model()))
+    assert (await client.complete(prompt, greedy(16))).token_ids == before.token_ids
+
+
+async def test_an_adapter_vllm_cannot_load_is_refused_with_vllm_s_words(client, tmp_path):
+    from client import RequestOptions
+    from tests.lora_adapter import make_tiny_lora
+
+    corrupt = make_tiny_lora(tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"garbage")
+    for path, named in [
+        (str(tmp_path / "missing"), "No adapter found for"),
+        (str(corrupt), "Error while deserializing header"),
+    ]:
+        with pytest.raises(RequestFailed) as info:
+            await client.load_lora("bad", path)
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+        assert info.value.message.startswith("LoadLora failed: ") and named in info.value.message
+        assert "stack trace" not in info.value.message  # it points at a log the client lacks
+    assert await client.list_loras() == []
+    with pytest.raises(RequestFailed):
+        await client.complete([1, 2], greedy(2), options=RequestOptions(lora_name="bad"))

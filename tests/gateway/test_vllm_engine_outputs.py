@@ -223,7 +223,7 @@ def test_the_eos_ids_listed_are_those_vllm_stops_on(generation_config, tokenizer
     assert stopping_eos_token_ids(generation_config, tokenizer_eos) == want
 
 
-def test_the_vllm_plugin_is_registered_and_patches_the_cpu_runner_and_coordinator_once():
+def test_the_vllm_plugin_is_registered_and_patches_each_part_once():
     import importlib.metadata
 
     from gateway.vllm_engine import _run_dp_coordinator, load_vllm_plugin
@@ -237,14 +237,16 @@ def test_the_vllm_plugin_is_registered_and_patches_the_cpu_runner_and_coordinato
     load_vllm_plugin()
     from vllm.v1.engine.coordinator import DPCoordinatorProc
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    sample = CPUModelRunner._sample
+    sample, reload = CPUModelRunner._sample, CPUWorker.reload_weights
+    assert reload.__module__ == "gateway.vllm_engine"  # checked and undone on failure
     assert sample is not GPUModelRunner._sample  # wrapped on the CPU runner only
     # vLLM's DP coordinator processes start through the gateway's parent watch.
     assert DPCoordinatorProc.run_coordinator is _run_dp_coordinator
     original = DPCoordinatorProc._engine_gateway_run_coordinator
     load_vllm_plugin()  # vLLM may load plugins more than once in a process
-    assert CPUModelRunner._sample is sample
+    assert CPUModelRunner._sample is sample and CPUWorker.reload_weights is reload
     assert DPCoordinatorProc._engine_gateway_run_coordinator is original
     assert original is not _run_dp_coordinator
