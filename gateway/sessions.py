@@ -57,10 +57,12 @@ from codec import (
     Ping,
     Pong,
     ProtocolError,
+    ReloadWeights,
     RequestOutput,
     RequestTimings,
     Resume,
     ServerMessage,
+    SetWeightVersion,
     WeightVersionSpan,
     prompt_too_long,
 )
@@ -298,16 +300,11 @@ class SessionTable:
                 None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before control calls", call_id
             )
             return Effects(replies=[(client_id, error)])
+        if problem := _control_problem(msg):
+            error = Error(None, ErrorCode.INVALID_MESSAGE, problem, call_id)
+            return Effects(replies=[(client_id, error)])
         effects = Effects()
         if isinstance(msg, Pause):
-            if msg.mode not in ("abort", "wait", "keep"):
-                error = Error(
-                    None,
-                    ErrorCode.INVALID_MESSAGE,
-                    f"Pause.mode must be 'abort', 'wait' or 'keep', got {msg.mode!r}",
-                    call_id,
-                )
-                return Effects(replies=[(client_id, error)])
             self.paused = True
             if msg.mode == "abort":
                 self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
@@ -988,3 +985,19 @@ def _note_events(sample: _Sample, events: Sequence) -> None:
             sample.queued_at = event.timestamp
         elif kind == 2 and sample.scheduled_at is None:
             sample.scheduled_at = event.timestamp
+
+
+MAX_WEIGHT_VERSION_CHARS = 256  # it rides on outputs and in every Finished.weight_versions
+
+
+def _control_problem(msg: ClientMessage) -> str | None:
+    """What is wrong with a control call's fields (INVALID_MESSAGE), or None."""
+    if isinstance(msg, Pause) and msg.mode not in ("abort", "wait", "keep"):
+        return f"Pause.mode must be 'abort', 'wait' or 'keep', got {msg.mode!r}"
+    version = msg.version if isinstance(msg, (ReloadWeights, SetWeightVersion)) else None
+    if version is not None and not 1 <= len(version) <= MAX_WEIGHT_VERSION_CHARS:
+        return (
+            f"{type(msg).__name__}.version must be 1 to {MAX_WEIGHT_VERSION_CHARS} characters,"
+            f" got {len(version)}"
+        )
+    return None

@@ -463,3 +463,25 @@ def test_weight_version_spans_count_held_back_tokens_and_follow_the_cut():
     assert last.finished.output_tokens == 5
     spans = [(s.version, s.first_token, s.num_tokens) for s in last.finished.weight_versions]
     assert spans == [("a", 0, 3), ("b", 3, 2)]  # "c" began at token 5: all of it was cut
+
+
+def test_control_calls_with_bad_fields_are_refused_by_name_and_reach_no_engine():
+    from codec import Pause, ReloadWeights, SetWeightVersion
+
+    h = TableHarness()
+    hello(h, A)
+    refused = {
+        Pause(1, "bogus"): "Pause.mode must be 'abort', 'wait' or 'keep', got 'bogus'",
+        SetWeightVersion(2, ""): "SetWeightVersion.version must be 1 to 256 characters, got 0",
+        SetWeightVersion(3, "v" * 257): "SetWeightVersion.version must be 1 to 256 characters",
+        ReloadWeights(4, "/ckpt", "v" * 257): "ReloadWeights.version must be 1 to 256 characters",
+    }
+    for call, message in refused.items():
+        effects = h.table.on_control(A, call, h.now, authorized=True)
+        ((client_id, error),) = effects.replies
+        assert client_id == A and isinstance(error, Error) and error.call_id == call.call_id
+        assert error.code is ErrorCode.INVALID_MESSAGE and error.message.startswith(message)
+        assert effects.control == [] and not h.table.paused
+    for call in [SetWeightVersion(5, "v" * 256), ReloadWeights(6, "/ckpt"), Pause(7, "keep")]:
+        effects = h.table.on_control(A, call, h.now, authorized=True)
+        assert effects.replies == [] and effects.control == [(A, call)]
