@@ -8,7 +8,8 @@ SIGTERM or Ctrl-C drains (second Ctrl-C stops at once).
 
 Exit status: 0 after a drain; 2 for a bad command line, found before the
 engine starts where it can be (flags, model path, addresses and ports, key
-files: one line on stderr naming the flag); 1 when the engine failed to start;
+files; a --lora-module adapter vLLM cannot load, once the engine is up): one
+line on stderr naming the flag; 1 when the engine failed to start;
 3 when the engine died (so a supervisor restarts the gateway).
 """
 
@@ -338,7 +339,7 @@ async def _serve(
     """Serve until drained or the engine died. ``client_config``: this process is one of
     several gateways on an engine group its supervisor started (gateway/group.py)."""
     from .server import BindError, Gateway, Listener, freeze_startup_heap
-    from .vllm_engine import VllmEngine
+    from .vllm_engine import LoraModuleRefused, VllmEngine
 
     limits = _limits(args)
     # Bind first: a bad or busy address fails in a second, not after engine start-up.
@@ -365,6 +366,8 @@ async def _serve(
                 engine_stats=args.engine_stats,
                 client_config=client_config,
             )
+        except LoraModuleRefused as exc:  # the engine stopped again: a bad command line
+            raise UsageError("--lora-module", str(exc)) from None
         except Exception as exc:
             logger.exception("the engine failed to start")
             print(f"engine-gateway serve: the engine failed to start: {exc}", file=sys.stderr)

@@ -39,6 +39,7 @@ from .process_exit import EXIT_POLL_S, exit_status
 __all__ = [
     "SUPPORTED_VLLM",
     "EngineGroup",
+    "LoraModuleRefused",
     "VllmEngine",
     "launch_engine_group",
     "add_engine_cli_args",
@@ -434,6 +435,10 @@ def _engine_failure(exc: BaseException) -> EngineDead:
     return EngineDead(f"engine process failed: {exc!r}")
 
 
+class LoraModuleRefused(Exception):
+    """A ``--lora-module`` adapter vLLM could not load at start; the message names it."""
+
+
 # How vLLM reports a utility call that raised in the engine, and in its workers.
 _UTILITY_FAILURE = re.compile(r"Call to \w+ method failed: (?P<text>.*)", re.DOTALL)
 _WORKER_FAILURE = re.compile(
@@ -704,11 +709,11 @@ class VllmEngine:
         try:
             tasks = tuple(await client.get_supported_tasks_async())
             engine = cls(vllm_config, client, tasks)
+            for i, (name, path) in enumerate((lora_modules or {}).items(), start=1):
+                await engine._load_static_lora(name, i, path)
         except BaseException:
             client.shutdown()
             raise
-        for i, (name, path) in enumerate((lora_modules or {}).items(), start=1):
-            engine._lora_modules[name] = (i, path)
         engine._watch_engine_processes(asyncio.get_running_loop())
         return engine
 
@@ -902,6 +907,20 @@ class VllmEngine:
         )
         if not added:
             raise RequestRejected(f"vLLM did not load LoRA adapter {name!r} from {path!r}")
+        self._lora_modules[name] = (lora_int_id, path)
+
+    async def _load_static_lora(self, name: str, lora_int_id: int, path: str) -> None:
+        """Load a ``--lora-module`` adapter at start, as vLLM's OpenAI server does with its
+        ``--lora-modules``: one vLLM cannot load stops the start (``LoraModuleRefused``),
+        where loading it on its first request would have killed the engine for everyone.
+        vLLM keeps an adapter another gateway of the group loaded already."""
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(name, lora_int_id, path)
+        try:
+            await _files_call("loading the adapter", self._client.add_lora_async(request))
+        except RequestRejected as exc:
+            raise LoraModuleRefused(f"{name}={path}: {exc.message}") from None
         self._lora_modules[name] = (lora_int_id, path)
 
     async def unload_lora(self, name: str) -> None:

@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from tests.conftest import ipc_address
+from tests.helpers import gone, kill_all
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = shutil.which("engine-gateway", path=str(Path(sys.executable).parent))
@@ -23,7 +24,8 @@ COMMAND = shutil.which("engine-gateway", path=str(Path(sys.executable).parent))
 def run_cli(*argv: str, python_prelude: str | None = None, timeout: float = 120):
     """Run `engine-gateway ARGV` in its own session; return (code, stdout, stderr, seconds).
 
-    Asserts that no process of that session outlives it (no engine left behind).
+    Asserts that no process of that session outlives it (no engine left behind) by more
+    than the moment multiprocessing's resource tracker takes to see its parent gone.
     """
     if python_prelude is None:
         cmd = [COMMAND, *argv]
@@ -45,9 +47,12 @@ def run_cli(*argv: str, python_prelude: str | None = None, timeout: float = 120)
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
     elapsed = time.monotonic() - start
-    left = session_members(proc.pid)
-    for pid in left:
-        os.kill(pid, 9)
+    deadline = time.monotonic() + 5
+    while (left := [pid for pid in session_members(proc.pid) if not gone(pid)]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    kill_all(left)
     assert left == [], f"processes left behind: {left}"
     return proc.returncode, out, err, elapsed
 
@@ -272,3 +277,36 @@ def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
     assert_one_line_error(code, err, "--no-such-flag")
     code, _, err, _ = results["config"]
     assert_one_line_error(code, err, "engine configuration", "no-such-architecture")
+
+
+# ------------------------------------------------------------ found once the engine is up
+
+
+def test_a_lora_module_vllm_cannot_load_stops_the_start_naming_it(tmp_path):
+    """vLLM loads a --lora-module adapter only on its first request, where a bad one kills
+    the engine for every client; the gateway loads each at start, as vLLM's own server
+    does, so a bad one is a command-line error (after the engine's start-up, ~25 s)."""
+    from tests.lora_adapter import make_tiny_lora
+
+    good, bad = make_tiny_lora(tmp_path / "good"), make_tiny_lora(tmp_path / "bad")
+    (bad / "adapter_model.safetensors").write_bytes(b"garbage")
+    code, _, err, _ = run_cli(
+        "serve",
+        "--bind",
+        ipc_address(),
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--max-model-len",
+        "512",
+        "--enable-lora",
+        "--lora-module",
+        f"good={good}",
+        "--lora-module",
+        f"bad={bad}",
+        timeout=240,
+    )
+    last = err.strip().splitlines()[-1]
+    assert code == 2, err[-3000:]
+    assert last.startswith(f"engine-gateway serve: error: --lora-module: bad={bad}: "), last
+    assert "Error while deserializing header" in last and "Traceback" not in err, err[-3000:]

@@ -387,3 +387,38 @@ async def test_an_adapter_vllm_cannot_load_is_refused_with_vllm_s_words(client, 
     assert await client.list_loras() == []
     with pytest.raises(RequestFailed):
         await client.complete([1, 2], greedy(2), options=RequestOptions(lora_name="bad"))
+
+
+async def test_a_lora_module_is_loaded_at_start_and_one_vllm_cannot_load_is_refused(
+    client, small_gateway, tmp_path
+):
+    """What ``--lora-module NAME=PATH`` does at start (VllmEngine._load_static_lora), on the
+    running engine: the adapter is usable by name at once and gives what the same adapter
+    loaded at runtime gives; a corrupt one is refused naming it, and the engine serves on."""
+    from client import RequestOptions
+    from gateway.vllm_engine import LoraModuleRefused
+    from tests.lora_adapter import make_tiny_lora
+
+    engine, prompt = small_gateway.engine, [17, 18, 19, 20]
+    adapter = str(make_tiny_lora(tmp_path / "adapter", seed=5))
+    await engine._load_static_lora("static", 90, adapter)
+    try:
+        await client.load_lora("runtime", adapter)
+        assert await client.list_loras() == ["runtime", "static"]
+        outputs = [
+            (
+                await client.complete(prompt, greedy(16), options=RequestOptions(lora_name=n))
+            ).token_ids
+            for n in ("static", "runtime")
+        ]
+        assert outputs[0] == outputs[1] != (await client.complete(prompt, greedy(16))).token_ids
+    finally:
+        await client.unload_lora("static")
+        await client.unload_lora("runtime")
+    corrupt = make_tiny_lora(tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(LoraModuleRefused) as info:
+        await engine._load_static_lora("bad", 91, str(corrupt))
+    assert str(info.value).startswith(f"bad={corrupt}: loading the adapter failed: ")
+    assert await client.list_loras() == []
+    assert len((await client.complete(prompt, greedy(4))).token_ids) == 4
