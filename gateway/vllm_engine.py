@@ -20,7 +20,9 @@ import contextlib
 import importlib.metadata
 import logging
 import multiprocessing
+import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -107,11 +109,15 @@ def load_vllm_plugin() -> None:
       ``reload_weights`` moves every layer to the meta device before it reads the files, so
       a wrong path, a missing file or a tensor of another shape left layers without
       weights, and the next step killed the engine for every client (``_check_reload``).
+    - An adapter's folder deleted or rewritten after it was loaded no longer kills the
+      engine (or serves other weights under its name): each worker reads an adapter from a
+      private copy made when it is loaded (``_load_adapters_from_a_private_copy``).
     - On the CPU platform, seeded sampling survives chunked prefill (below).
     """
     _stop_engine_core_with_its_parent()
     _stop_dp_coordinator_with_its_parent()
     _reload_weights_safely()
+    _load_adapters_from_a_private_copy()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -232,7 +238,6 @@ def _check_reload(model: Any, model_config: Any, load_config: Any, path: str) ->
     The tensors are checked by a dry run of the model's own ``load_weights`` on meta tensors
     of the headers' shapes (nothing is read but headers; no layer is processed)."""
     import glob
-    import os
 
     import torch
     from safetensors import safe_open
@@ -326,6 +331,70 @@ def _abandon_reload(model: Any) -> None:
     if hasattr(model, "_original_do_torchao_reload"):
         model._do_torchao_reload = model._original_do_torchao_reload
     layerwise.LOADING_LAYERS.clear()
+
+
+def _load_adapters_from_a_private_copy() -> None:
+    """vLLM reads a LoRA adapter's folder again whenever the adapter was evicted from its CPU
+    cache (``--max-cpu-loras``, by default ``--max-loras``: 1) and a request needs it, inside
+    an engine step. A trainer that deleted the folder after LoadLora killed the engine for
+    every client that way; one that rewrote it got other weights under the adapter's name.
+    Here each worker copies the folder when it first loads the adapter, reads every later
+    load from that copy, and deletes the copy when the adapter is removed (or the process
+    ends)."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    if getattr(WorkerLoRAManager, "_engine_gateway_plugin", False):
+        return
+    load, remove = WorkerLoRAManager._load_adapter, WorkerLoRAManager.remove_adapter
+
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        import msgspec
+        from vllm.lora.utils import get_adapter_absolute_path
+
+        copies = self.__dict__.setdefault("_engine_gateway_copies", {})
+        lora_id = lora_request.lora_int_id
+        first = lora_id not in copies
+        if first:
+            folder = get_adapter_absolute_path(lora_request.lora_path)
+            if os.path.isdir(folder):  # not a hub id
+                copies[lora_id] = _copy_adapter(folder, lora_id)
+        if lora_id in copies:
+            lora_request = msgspec.structs.replace(lora_request, lora_path=copies[lora_id])
+        try:
+            return load(self, lora_request)
+        except BaseException:
+            if first:  # a later load of this id may name a repaired folder
+                shutil.rmtree(copies.pop(lora_id, ""), ignore_errors=True)
+            raise
+
+    def remove_adapter(self: Any, adapter_id: int) -> bool:
+        copy = self.__dict__.get("_engine_gateway_copies", {}).pop(adapter_id, None)
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+        return remove(self, adapter_id)
+
+    WorkerLoRAManager._load_adapter = _load_adapter
+    WorkerLoRAManager.remove_adapter = remove_adapter
+    WorkerLoRAManager._engine_gateway_plugin = True
+
+
+_adapter_copies_root: str | None = None
+
+
+def _copy_adapter(folder: str, lora_id: int) -> str:
+    """A private copy of an adapter folder, under this process's own temporary folder
+    (``engine-gateway-lora-PID-*``, removed when the process exits)."""
+    import atexit
+    import tempfile
+
+    global _adapter_copies_root
+    if _adapter_copies_root is None:
+        _adapter_copies_root = tempfile.mkdtemp(prefix=f"engine-gateway-lora-{os.getpid()}-")
+        atexit.register(shutil.rmtree, _adapter_copies_root, True)
+    copy = os.path.join(_adapter_copies_root, str(lora_id))
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(folder, copy)
+    return copy
 
 
 def _keep_seeded_streams_across_chunked_prefill() -> None:
@@ -448,16 +517,27 @@ _WORKER_FAILURE = re.compile(
 )
 
 
+@contextlib.contextmanager
+def _engine_death_named() -> Iterator[None]:
+    """Within: vLLM's EngineDeadError (a control call to a dead engine) is ``EngineDead``,
+    which the server answers with ENGINE_DEAD, not INTERNAL."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        yield
+    except EngineDeadError as exc:
+        raise _engine_failure(exc) from exc
+
+
 async def _files_call(operation: str, call: Awaitable[Any]) -> Any:
     """An engine call that loads files the caller named (weights, an adapter). vLLM's refusal
     is the caller's: ``RequestRejected`` (INVALID_REQUEST) with vLLM's words, less its
     pointer to a stack trace only the gateway's log has; a dead engine is ``EngineDead``."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
     try:
-        return await call
-    except EngineDeadError as exc:
-        raise _engine_failure(exc) from exc
+        with _engine_death_named():
+            return await call
+    except EngineDead:
+        raise
     except Exception as exc:
         text = str(exc)
         for pattern in (_UTILITY_FAILURE, _WORKER_FAILURE):
@@ -850,14 +930,17 @@ class VllmEngine:
 
     async def pause(self, mode: str, clear_cache: bool) -> None:
         """vLLM's pause_scheduler: "abort", "wait" (returns once drained) or "keep"."""
-        await self._client.pause_scheduler_async(mode, clear_cache)
+        with _engine_death_named():
+            await self._client.pause_scheduler_async(mode, clear_cache)
 
     async def resume(self) -> None:
-        await self._client.resume_scheduler_async()
+        with _engine_death_named():
+            await self._client.resume_scheduler_async()
 
     async def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's reset_prefix_cache on every engine; its result (False: not reset)."""
-        return bool(await self._client.reset_prefix_cache_async(reset_running))
+        with _engine_death_named():
+            return bool(await self._client.reset_prefix_cache_async(reset_running))
 
     async def reload_weights(self, path: str, version: str | None) -> dict[str, Any]:
         """vLLM's reload_weights from ``path`` on every worker, then a prefix-cache reset
@@ -866,21 +949,24 @@ class VllmEngine:
             "ReloadWeights",
             self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path}),
         )
-        reset = bool(await self._client.reset_prefix_cache_async())
+        reset = await self.reset_prefix_cache(False)
         if version is not None:
             await self.set_weight_version(version)
         return {"prefix_cache_reset": reset, "weight_version": version}
 
     async def set_weight_version(self, version: str) -> None:
-        await self._client.set_weight_version_async(version)
+        with _engine_death_named():
+            await self._client.set_weight_version_async(version)
 
     async def sleep(self, level: int) -> None:
         self._check_sleep_mode()
-        await self._client.sleep_async(level)
+        with _engine_death_named():
+            await self._client.sleep_async(level)
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._check_sleep_mode()
-        await self._client.wake_up_async(tags)
+        with _engine_death_named():
+            await self._client.wake_up_async(tags)
 
     def _check_sleep_mode(self) -> None:
         """Without sleep mode vLLM's sleep only pauses (and on CPU its worker just warns)."""
@@ -931,11 +1017,11 @@ class VllmEngine:
         if name not in self._lora_modules:
             raise RequestRejected(f"LoRA adapter {name!r} is not loaded", ErrorCode.UNSUPPORTED)
         lora_int_id, _ = self._lora_modules.pop(name)
-        await self._client.remove_lora_async(lora_int_id)
+        with _engine_death_named():
+            await self._client.remove_lora_async(lora_int_id)
 
     async def list_loras(self) -> list[str]:
-        """Names clients may use now (loaded at runtime or given with --lora-module; vLLM
-        brings an adapter into memory on its first request)."""
+        """Names clients may use now: loaded at runtime, or with --lora-module at start."""
         return sorted(self._lora_modules)
 
     def engine_stats(self) -> list[EngineStats]:

@@ -422,3 +422,49 @@ async def test_a_lora_module_is_loaded_at_start_and_one_vllm_cannot_load_is_refu
     assert str(info.value).startswith(f"bad={corrupt}: loading the adapter failed: ")
     assert await client.list_loras() == []
     assert len((await client.complete(prompt, greedy(4))).token_ids) == 4
+
+
+async def test_an_adapter_whose_folder_is_deleted_or_rewritten_after_loading_serves_on(
+    client, tmp_path
+):
+    """vLLM keeps one adapter in its CPU cache here (--max-cpu-loras defaults to --max-loras,
+    1) and reads an evicted one from its folder again, inside an engine step: a trainer that
+    deleted the folder after LoadLora killed the engine for every client, and one that
+    rewrote it got other weights under the old name. Each worker now loads from a private
+    copy made at LoadLora, removed at UnloadLora."""
+    import glob
+    import os
+    import shutil
+    import tempfile
+
+    from client import RequestOptions
+    from tests.lora_adapter import make_tiny_lora
+
+    prompt = [17, 18, 19, 20]
+    folders = {
+        name: make_tiny_lora(tmp_path / name, seed=seed) for name, seed in [("a", 1), ("b", 2)]
+    }
+
+    async def run(name):
+        options = RequestOptions(lora_name=name)
+        return (await client.complete(prompt, greedy(16), options=options)).token_ids
+
+    loaded = {}
+    for name, folder in folders.items():
+        await client.load_lora(name, str(folder))
+        loaded[name] = await run(name)
+    assert loaded["a"] != loaded["b"]
+    try:
+        shutil.rmtree(folders["a"])  # gone
+        make_tiny_lora(folders["b"], seed=3)  # rewritten with other weights
+        bystander = asyncio.ensure_future(collect(client, [3, 3, 3], greedy(200)))
+        for name in ["a", "b", "a", "b"]:  # each evicts the other from vLLM's cache
+            assert await run(name) == loaded[name], name
+        assert len((await bystander).token_ids) == 200
+    finally:
+        await client.unload_lora("a")
+        await client.unload_lora("b")
+    # The copies went with the adapters: the engine's worker holds none now.
+    roots = glob.glob(os.path.join(tempfile.gettempdir(), "engine-gateway-lora-*-*"))
+    live = [r for r in roots if os.path.exists(f"/proc/{r.rsplit('lora-', 1)[1].split('-')[0]}")]
+    assert live and all(os.listdir(r) == [] for r in live), {r: os.listdir(r) for r in live}

@@ -307,8 +307,9 @@ async def test_a_killed_engine_worker_ends_every_request_with_engine_dead(
 ):
     """The engine's model-runner process (``VLLM::Worker``) is SIGKILLed: vLLM's EngineCore
     sees it and fails; every live request ends with ENGINE_DEAD saying so (not vLLM's "see
-    stack trace above", which a client cannot see), the gateway exits 3, nothing is left."""
-    gw = gateway_process(*long_context_args(tmp_path))
+    stack trace above", which a client cannot see), a control call in the grace period before
+    the exit is answered ENGINE_DEAD too, the gateway exits 3, nothing is left."""
+    gw = gateway_process(*long_context_args(tmp_path), "--control-open")
     async with AsyncClient(gw.address, connect_timeout_s=240) as client:
         streams = [client.generate([i + 3], UNENDING) for i in range(3)]
         for stream in streams:
@@ -328,6 +329,9 @@ async def test_a_killed_engine_worker_ends_every_request_with_engine_dead(
                     # the process watch's words; never "see stack trace (above)".
                     text = str(info.value)
                     assert "the engine core failed" in text or "EngineCore (exit" in text, text
+                with pytest.raises(RequestFailed) as info:
+                    await client.pause()
+                assert info.value.code is ErrorCode.ENGINE_DEAD, info.value
             assert await asyncio.to_thread(gw.proc.wait, 60) == EXIT_ENGINE_DEAD
             await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
         finally:

@@ -235,6 +235,7 @@ def test_the_vllm_plugin_is_registered_and_patches_each_part_once():
     ]
     assert entry.load() is load_vllm_plugin
     load_vllm_plugin()
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from vllm.v1.engine.coordinator import DPCoordinatorProc
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -242,11 +243,14 @@ def test_the_vllm_plugin_is_registered_and_patches_each_part_once():
 
     sample, reload = CPUModelRunner._sample, CPUWorker.reload_weights
     assert reload.__module__ == "gateway.vllm_engine"  # checked and undone on failure
+    load_adapter = LRUCacheWorkerLoRAManager._load_adapter  # from a private copy
+    assert load_adapter.__module__ == "gateway.vllm_engine"
     assert sample is not GPUModelRunner._sample  # wrapped on the CPU runner only
     # vLLM's DP coordinator processes start through the gateway's parent watch.
     assert DPCoordinatorProc.run_coordinator is _run_dp_coordinator
     original = DPCoordinatorProc._engine_gateway_run_coordinator
     load_vllm_plugin()  # vLLM may load plugins more than once in a process
     assert CPUModelRunner._sample is sample and CPUWorker.reload_weights is reload
+    assert LRUCacheWorkerLoRAManager._load_adapter is load_adapter
     assert DPCoordinatorProc._engine_gateway_run_coordinator is original
     assert original is not _run_dp_coordinator
