@@ -506,6 +506,9 @@ def _engine_failure(exc: BaseException) -> EngineDead:
     return EngineDead(f"engine process failed: {exc!r}")
 
 
+_GATEWAY_LORA_IDS = 1_000_000  # LoRA ids each gateway of a group has for LoadLora
+
+
 class LoraModuleRefused(Exception):
     """A ``--lora-module`` adapter vLLM could not load at start; the message names it."""
 
@@ -731,6 +734,9 @@ class VllmEngine:
         self._defaults = model_config.get_diff_sampling_param()
         self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._lora_modules: dict[str, tuple[int, str]] = {}
+        # LoadLora's ids lie above this: gateways of a group share the engines, and an id
+        # another gateway loaded is taken by vLLM as that adapter (--lora-module ids: 1..n).
+        self._runtime_lora_ids_above = 0
         self._stats: dict[int, EngineStats] = {}
         self.weight_version: str | None = None  # of the latest step returned
         self._prefix_counts: dict[int, tuple[int, int]] = {}
@@ -791,6 +797,8 @@ class VllmEngine:
         try:
             tasks = tuple(await client.get_supported_tasks_async())
             engine = cls(vllm_config, client, tasks)
+            if count > 1:
+                engine._runtime_lora_ids_above = _GATEWAY_LORA_IDS * (index + 1)
             for i, (name, path) in enumerate((lora_modules or {}).items(), start=1):
                 await engine._load_static_lora(name, i, path)
         except BaseException:
@@ -989,7 +997,9 @@ class VllmEngine:
             raise NotImplementedError("the engine was started without --enable-lora")
         if name in self._lora_modules:
             raise RequestRejected(f"LoRA adapter {name!r} is already loaded; unload it first")
-        lora_int_id = max((i for i, _ in self._lora_modules.values()), default=0) + 1
+        above = self._runtime_lora_ids_above
+        lora_int_id = max((i for i, _ in self._lora_modules.values() if i > above), default=above)
+        lora_int_id += 1
         added = await _files_call(
             "LoadLora", self._client.add_lora_async(LoRARequest(name, lora_int_id, path))
         )

@@ -16,6 +16,7 @@ from client import (
     FinishReason,
     GatewayPool,
     RequestFailed,
+    RequestOptions,
     SamplingParams,
     SessionLost,
 )
@@ -44,7 +45,11 @@ async def started(pool: GatewayPool, prompt: list[int]):
 
 
 async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_process, tmp_path):
-    supervisor = gateway_process(*long_context_args(tmp_path), "--gateway-count", "2")
+    from tests.lora_adapter import make_tiny_lora
+
+    supervisor = gateway_process(
+        *long_context_args(tmp_path), "--gateway-count", "2", "--enable-lora", "--control-open"
+    )
     base = supervisor.address.removesuffix(".sock")
     addresses = [f"{base}-0.sock", f"{base}-1.sock"]
     # A patient heartbeat: a starved box is slow to answer (its pauses are forgiven).
@@ -57,6 +62,15 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         # Both gateways serve the same engine: same greedy tokens through either one.
         results = [await client.complete([7, 8, 9], GREEDY) for client in pool.clients]
         assert results[0].token_ids == results[1].token_ids
+        # Each gateway loads its own adapter under the same name: vLLM tells them apart
+        # (their LoRA ids differ; with equal ids gateway 1 got gateway 0's adapter).
+        mine = RequestOptions(lora_name="mine")
+        for i, client in enumerate(pool.clients):
+            await client.load_lora("mine", str(make_tiny_lora(tmp_path / f"lora-{i}", seed=i)))
+        tuned = [
+            (await c.complete([7, 8, 9], GREEDY, options=mine)).token_ids for c in pool.clients
+        ]
+        assert tuned[0] != tuned[1] and results[0].token_ids not in tuned
         streams = [pool.generate([3 + i], UNENDING) for i in range(4)]
         for stream in streams:
             await anext(stream)
