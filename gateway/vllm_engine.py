@@ -349,22 +349,16 @@ def _load_adapters_from_a_private_copy() -> None:
 
     def _load_adapter(self: Any, lora_request: Any) -> Any:
         import msgspec
-        from vllm.lora.utils import get_adapter_absolute_path
 
         copies = self.__dict__.setdefault("_engine_gateway_copies", {})
         lora_id = lora_request.lora_int_id
         first = lora_id not in copies
-        if first:
-            folder = get_adapter_absolute_path(lora_request.lora_path)
-            if os.path.isdir(folder):  # not a hub id
-                copies[lora_id] = _copy_adapter(folder, lora_id)
-        if lora_id in copies:
-            lora_request = msgspec.structs.replace(lora_request, lora_path=copies[lora_id])
+        source = _adapter_source(copies, lora_id, lora_request.lora_path)
         try:
-            return load(self, lora_request)
+            return load(self, msgspec.structs.replace(lora_request, lora_path=source))
         except BaseException:
-            if first:  # a later load of this id may name a repaired folder
-                shutil.rmtree(copies.pop(lora_id, ""), ignore_errors=True)
+            if first and lora_id in copies:  # a later load may name a repaired folder
+                shutil.rmtree(copies.pop(lora_id), ignore_errors=True)
             raise
 
     def remove_adapter(self: Any, adapter_id: int) -> bool:
@@ -378,22 +372,61 @@ def _load_adapters_from_a_private_copy() -> None:
     WorkerLoRAManager._engine_gateway_plugin = True
 
 
+def _adapter_source(copies: dict[int, str], lora_id: int, path: str) -> str:
+    """Where to load adapter ``lora_id`` from: its private copy in ``copies``, made now from
+    ``path`` on its first load; ``path`` itself when that is no local folder (a hub id) or
+    the copy cannot be made (a full disk: vLLM's way, logged)."""
+    if lora_id not in copies:
+        folder = os.path.expanduser(path)
+        if not os.path.isdir(folder):  # vLLM resolves it (a hub id) or reports it missing
+            return path
+        try:
+            copies[lora_id] = _copy_adapter(folder, lora_id)
+        except OSError as exc:
+            logger.warning("LoRA adapter %s not copied (%s): read from there", folder, exc)
+            return path
+    return copies[lora_id]
+
+
 _adapter_copies_root: str | None = None
+_COPIES_PREFIX = "engine-gateway-lora-"
+
+
+def _remove_copies_of_gone_processes(folder: str) -> None:
+    """Remove the adapter copies of processes that no longer exist (killed outright, they
+    could not remove their own)."""
+    import glob
+
+    for root in glob.glob(os.path.join(folder, f"{_COPIES_PREFIX}*-*")):
+        pid = os.path.basename(root).removeprefix(_COPIES_PREFIX).split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(root, ignore_errors=True)
+        except OSError:  # it exists (another user's)
+            pass
 
 
 def _copy_adapter(folder: str, lora_id: int) -> str:
     """A private copy of an adapter folder, under this process's own temporary folder
-    (``engine-gateway-lora-PID-*``, removed when the process exits)."""
+    (``engine-gateway-lora-PID-*`` in ``$TMPDIR``, removed when the process exits)."""
     import atexit
     import tempfile
 
     global _adapter_copies_root
     if _adapter_copies_root is None:
-        _adapter_copies_root = tempfile.mkdtemp(prefix=f"engine-gateway-lora-{os.getpid()}-")
+        _remove_copies_of_gone_processes(tempfile.gettempdir())
+        _adapter_copies_root = tempfile.mkdtemp(prefix=f"{_COPIES_PREFIX}{os.getpid()}-")
         atexit.register(shutil.rmtree, _adapter_copies_root, True)
     copy = os.path.join(_adapter_copies_root, str(lora_id))
     shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(folder, copy)
+    try:
+        shutil.copytree(folder, copy)
+    except OSError:
+        shutil.rmtree(copy, ignore_errors=True)
+        raise
     return copy
 
 

@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 from multiprocessing import connection
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -254,3 +255,44 @@ def test_the_vllm_plugin_is_registered_and_patches_each_part_once():
     assert LRUCacheWorkerLoRAManager._load_adapter is load_adapter
     assert DPCoordinatorProc._engine_gateway_run_coordinator is original
     assert original is not _run_dp_coordinator
+
+
+def test_an_adapter_is_loaded_from_a_private_copy_made_at_its_first_load(tmp_path, monkeypatch):
+    import gateway.vllm_engine as adapter_module
+    from gateway.vllm_engine import _adapter_source
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    copies: dict[int, str] = {}
+    copy = _adapter_source(copies, 7, str(folder))
+    assert copy != str(folder) and copies == {7: copy}
+    (folder / "adapter_config.json").write_text('{"rewritten": true}')
+    assert _adapter_source(copies, 7, str(folder)) == copy  # later loads: the same copy
+    assert (Path(copy) / "adapter_config.json").read_text() == "{}"
+    # Not a local folder (a hub id): vLLM's own way.
+    assert _adapter_source(copies, 8, "org/adapter") == "org/adapter" and 8 not in copies
+
+    def full_disk(folder: str, lora_id: int) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(adapter_module, "_copy_adapter", full_disk)
+    assert _adapter_source(copies, 9, str(folder)) == str(folder) and 9 not in copies
+
+
+def test_adapter_copies_of_gone_processes_are_removed(tmp_path):
+    import subprocess
+
+    from gateway.vllm_engine import _remove_copies_of_gone_processes
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    roots = {
+        "gone": tmp_path / f"engine-gateway-lora-{gone.pid}-abc",
+        "alive": tmp_path / f"engine-gateway-lora-{os.getpid()}-def",
+        "other": tmp_path / "engine-gateway-lora-notapid-x",
+    }
+    for root in roots.values():
+        (root / "1").mkdir(parents=True)
+    _remove_copies_of_gone_processes(str(tmp_path))
+    assert {name for name, root in roots.items() if root.exists()} == {"alive", "other"}
