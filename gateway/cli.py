@@ -308,6 +308,8 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     from .vllm_engine import engine_args_from_namespace, engine_config
 
     check_model(args.model)
+    if args.lora_module and not getattr(args, "enable_lora", False):
+        raise UsageError("--lora-module", "needs --enable-lora (vLLM's flag for LoRA adapters)")
     try:
         engine_args = engine_args_from_namespace(args)
         count = args.gateway_count

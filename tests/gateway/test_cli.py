@@ -261,12 +261,14 @@ def test_top_level_usage_and_unknown_command():
 
 
 def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
-    """Needs vLLM's parser (~10 s each): --help, an unknown flag, a config vLLM refuses."""
+    """Needs vLLM's parser (~10 s each): --help, an unknown flag, a config vLLM refuses,
+    --lora-module without --enable-lora."""
     (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
     runs = {
         "help": ["serve", "--help"],
         "unknown": ["serve", "--no-such-flag", "3"],
         "config": ["serve", str(tmp_path)],
+        "lora": ["serve", "--lora-module", f"a={tmp_path}"],  # without --enable-lora
     }
     results = {name: run_cli(*argv) for name, argv in runs.items()}
     code, out, err, _ = results["help"]
@@ -277,6 +279,9 @@ def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
     assert_one_line_error(code, err, "--no-such-flag")
     code, _, err, _ = results["config"]
     assert_one_line_error(code, err, "engine configuration", "no-such-architecture")
+    code, _, err, seconds = results["lora"]
+    assert_one_line_error(code, err, "--lora-module", "needs --enable-lora")
+    assert seconds < 60, seconds  # before the engine starts
 
 
 # ------------------------------------------------------------ found once the engine is up
