@@ -308,7 +308,7 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     from .vllm_engine import engine_args_from_namespace, engine_config
 
     check_model(args.model)
-    if args.lora_module and not getattr(args, "enable_lora", False):
+    if args.lora_module and not args.enable_lora:
         raise UsageError("--lora-module", "needs --enable-lora (vLLM's flag for LoRA adapters)")
     try:
         engine_args = engine_args_from_namespace(args)

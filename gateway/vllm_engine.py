@@ -392,17 +392,24 @@ _adapter_copies_root: str | None = None
 _COPIES_PREFIX = "engine-gateway-lora-"
 
 
+def copies_owner(root: str) -> int | None:
+    """The pid of the process whose adapter copies ``root`` holds
+    (``engine-gateway-lora-PID-*``), or None for another name."""
+    pid = os.path.basename(root).removeprefix(_COPIES_PREFIX).split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
 def _remove_copies_of_gone_processes(folder: str) -> None:
     """Remove the adapter copies of processes that no longer exist (killed outright, they
     could not remove their own)."""
     import glob
 
     for root in glob.glob(os.path.join(folder, f"{_COPIES_PREFIX}*-*")):
-        pid = os.path.basename(root).removeprefix(_COPIES_PREFIX).split("-", 1)[0]
-        if not pid.isdigit():
+        pid = copies_owner(root)
+        if pid is None:
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             shutil.rmtree(root, ignore_errors=True)
         except OSError:  # it exists (another user's)
@@ -421,7 +428,6 @@ def _copy_adapter(folder: str, lora_id: int) -> str:
         _adapter_copies_root = tempfile.mkdtemp(prefix=f"{_COPIES_PREFIX}{os.getpid()}-")
         atexit.register(shutil.rmtree, _adapter_copies_root, True)
     copy = os.path.join(_adapter_copies_root, str(lora_id))
-    shutil.rmtree(copy, ignore_errors=True)
     try:
         shutil.copytree(folder, copy)
     except OSError:

@@ -438,6 +438,7 @@ async def test_an_adapter_whose_folder_is_deleted_or_rewritten_after_loading_ser
     import tempfile
 
     from client import RequestOptions
+    from gateway.vllm_engine import copies_owner
     from tests.lora_adapter import make_tiny_lora
 
     prompt = [17, 18, 19, 20]
@@ -466,5 +467,5 @@ async def test_an_adapter_whose_folder_is_deleted_or_rewritten_after_loading_ser
         await client.unload_lora("b")
     # The copies went with the adapters: the engine's worker holds none now.
     roots = glob.glob(os.path.join(tempfile.gettempdir(), "engine-gateway-lora-*-*"))
-    live = [r for r in roots if os.path.exists(f"/proc/{r.rsplit('lora-', 1)[1].split('-')[0]}")]
+    live = [r for r in roots if os.path.exists(f"/proc/{copies_owner(r)}")]
     assert live and all(os.listdir(r) == [] for r in live), {r: os.listdir(r) for r in live}

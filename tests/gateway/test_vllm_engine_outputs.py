@@ -261,6 +261,9 @@ def test_an_adapter_is_loaded_from_a_private_copy_made_at_its_first_load(tmp_pat
     import gateway.vllm_engine as adapter_module
     from gateway.vllm_engine import _adapter_source
 
+    # Copies under tmp_path, not this (test) process's own folder of copies.
+    (tmp_path / "copies").mkdir()
+    monkeypatch.setattr(adapter_module, "_adapter_copies_root", str(tmp_path / "copies"))
     folder = tmp_path / "adapter"
     folder.mkdir()
     (folder / "adapter_config.json").write_text("{}")
