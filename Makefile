@@ -26,7 +26,8 @@ bench-full: setup
 
 # On a GPU machine (issue 16 item 5): its own venv with CUDA vLLM, a random-weight Llama 3.2 1B
 # made locally, then every frontend side by side on it (CUDA graphs on) and at the
-# zero-compute ceiling. Results land in bench/results/gpu_llama1b*.
+# zero-compute ceiling. Results land in bench/results/gpu_llama1b*. A GPU machine with no
+# package index: scripts/gpu_offline_bundle.sh and scripts/gpu_offline_run.sh (README).
 GPU_VENV ?= .venv-gpu
 GPU_MODEL ?= $(HOME)/.cache/engine-gateway/llama-3.2-1b-random
 GPU_BENCH = $(GPU_VENV)/bin/python -m bench --model $(GPU_MODEL) --cuda-graphs --no-ceiling \

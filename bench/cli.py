@@ -225,6 +225,20 @@ async def _interleaved(
     return rows
 
 
+async def start_targets(targets: list, one_at_a_time: bool) -> None:
+    """Start every target: together on the CPU, one after another on a GPU (``--cuda-graphs``).
+
+    vLLM sizes a GPU engine's KV cache from the memory it sees in use while it profiles, so
+    engines that start together on one GPU count each other's memory and fail ("No available
+    memory for the cache blocks", seen on the H100 run).
+    """
+    if one_at_a_time:
+        for target in targets:
+            await target.start()
+    else:
+        await asyncio.gather(*(t.start() for t in targets))
+
+
 async def run(args: argparse.Namespace) -> dict:
     from gateway.tiny_model import ensure_tiny_model
 
@@ -295,7 +309,7 @@ async def run(args: argparse.Namespace) -> dict:
             "transports)...",
             flush=True,
         )
-        await asyncio.gather(*(t.start() for t in targets))
+        await start_targets(targets, one_at_a_time=args.cuda_graphs)
         for target in targets:  # warm-up, not recorded
             await _measure(target, workload, "closed", 8, 8, salt=999)
         rows = await _interleaved(targets, workload, args, concurrency, rates)
@@ -318,7 +332,8 @@ async def run(args: argparse.Namespace) -> dict:
             "model": model,
             "engine_flags": ("cuda graphs" if args.cuda_graphs else "enforce_eager")
             + f", gpu_memory_utilization 0.2, max_model_len {setup.max_model_len},"
-            " skip_tokenizer_init, VLLM_CPU_KVCACHE_SPACE=1"
+            " skip_tokenizer_init"
+            + ("" if args.cuda_graphs else ", VLLM_CPU_KVCACHE_SPACE=1")
             + (", zero-compute executor" if args.executor == "zero" else ""),
             "executor": args.executor,
             "baseline": args.baseline,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -80,3 +81,29 @@ def test_prompts_are_drawn_from_the_models_vocabulary(tmp_path):
     requests = Workload((64, 64), (1, 1), vocab_size=vocab).requests(50)
     ids = [i for prompt, _ in requests for i in prompt]
     assert max(ids) < vocab and max(ids) > 65535
+
+
+class _SlowStart:
+    """A target whose start takes a moment and records when it ran."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]):
+        self.name = name
+        self.log = log
+
+    async def start(self) -> None:
+        self.log.append(("begin", self.name))
+        await asyncio.sleep(0.01)
+        self.log.append(("end", self.name))
+
+
+def test_gpu_targets_start_one_after_another_and_cpu_targets_together():
+    from bench.cli import start_targets
+
+    for one_at_a_time, expected in (
+        (True, [("begin", "a"), ("end", "a"), ("begin", "b"), ("end", "b")]),
+        (False, [("begin", "a"), ("begin", "b"), ("end", "a"), ("end", "b")]),
+    ):
+        log: list[tuple[str, str]] = []
+        targets = [_SlowStart("a", log), _SlowStart("b", log)]
+        asyncio.run(start_targets(targets, one_at_a_time=one_at_a_time))
+        assert log == expected
