@@ -11,7 +11,6 @@ with ``DIRECT_RESULT `` (vLLM's own log lines are skipped by the reader).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import sys
 
@@ -49,7 +48,7 @@ async def main(model: str, setup: str = "{}") -> None:
             result = {
                 "wall_s": run.wall_s,
                 "cpu_s": target.frontend_cpu_s() - cpu0,
-                "records": [dataclasses.asdict(r) for r in run.records],
+                "records": [r.to_dict() for r in run.records],
             }
             print(PREFIX + json.dumps(result), flush=True)
     finally:

@@ -107,3 +107,16 @@ def test_gpu_targets_start_one_after_another_and_cpu_targets_together():
         targets = [_SlowStart("a", log), _SlowStart("b", log)]
         asyncio.run(start_targets(targets, one_at_a_time=one_at_a_time))
         assert log == expected
+
+
+def test_the_bench_freezes_what_it_holds_before_each_measurement():
+    import gc
+
+    from bench.cli import _freeze_heap
+
+    held = [[float(i)] for i in range(1000)]  # like the records of earlier measurements
+    try:
+        _freeze_heap()
+        assert gc.get_freeze_count() >= len(held)
+    finally:
+        gc.unfreeze()
