@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import gc
 import importlib.metadata
 import json
 import os
@@ -31,6 +30,8 @@ import random
 import statistics
 import sys
 from pathlib import Path
+
+from gateway.server import freeze_startup_heap
 
 from .stats import summarize
 from .workload import Workload, closed_loop, model_shape, open_loop
@@ -190,19 +191,6 @@ async def _measure(
     return summarize(run, cpu_s, engine_cpu - engine0[0], steps - engine0[1])
 
 
-def _freeze_heap() -> None:
-    """Move everything this process holds now out of the garbage collector's walks.
-
-    The gateway's and vLLM HTTP's clients run in this process, which holds torch's heap
-    (transformers reads the model's config) and every earlier measurement's records: without
-    this, each full collection during a run took ~230 ms at c=1024 and showed up as those
-    frontends' ITL p99 and TTFT (the direct client runs in its own process). ``engine-gateway
-    serve`` freezes its start-up heap for the same reason.
-    """
-    gc.collect()
-    gc.freeze()
-
-
 async def _interleaved(
     targets: list,
     workload: Workload,
@@ -228,7 +216,12 @@ async def _interleaved(
             )
             salt = round_index * 100_003 + int(level * 1000)
             for target in order:
-                _freeze_heap()
+                # The gateway's and vLLM HTTP's clients run in this process, which holds
+                # torch's heap (transformers reads the model's config) and every earlier
+                # measurement's records: unfrozen, each full collection took ~230 ms at
+                # c=1024 and showed as those frontends' ITL p99 and TTFT (the direct client
+                # runs in its own process).
+                freeze_startup_heap()
                 row = await _measure(target, workload, mode, level, count, salt)
                 samples.setdefault((target.name, mode, level), []).append(row)
                 label = f"c={int(level)}" if mode == "closed" else f"rate={level}"

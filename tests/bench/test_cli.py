@@ -110,13 +110,37 @@ def test_gpu_targets_start_one_after_another_and_cpu_targets_together():
 
 
 def test_the_bench_freezes_what_it_holds_before_each_measurement():
+    """The clients of in-process targets share the bench's heap: each measurement starts
+    with everything held before it (here: the previous measurement's garbage-collected
+    objects) frozen, out of the collector's full walks."""
+    import argparse
     import gc
 
-    from bench.cli import _freeze_heap
+    from bench.cli import _interleaved
+    from bench.workload import RequestRecord, RunResult, Workload
 
-    held = [[float(i)] for i in range(1000)]  # like the records of earlier measurements
+    class HoldingTarget:
+        name = "holding"
+
+        def __init__(self) -> None:
+            self.held: list[list[float]] = []
+            self.frozen_at_start: list[tuple[int, int]] = []
+
+        async def measure(self, workload, mode, level, count, salt):
+            self.frozen_at_start.append((gc.get_freeze_count(), len(self.held)))
+            self.held += [[float(i)] for i in range(1000)]  # kept, like records
+            record = RequestRecord(start=0.0)
+            record.got(1)
+            record.end = record.token_times[0]
+            return RunResult([record], 1.0), 0.0
+
+    target = HoldingTarget()
+    args = argparse.Namespace(rounds=2, seed=0, requests=1)
+    gc.unfreeze()
     try:
-        _freeze_heap()
-        assert gc.get_freeze_count() >= len(held)
+        asyncio.run(_interleaved([target], Workload((4, 4), (1, 1)), args, [1, 2], []))
     finally:
         gc.unfreeze()
+    assert len(target.frozen_at_start) == 4
+    for frozen, held in target.frozen_at_start:
+        assert frozen >= held
