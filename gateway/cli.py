@@ -135,7 +135,13 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         "--max-in-flight-per-client", type=count, default=defaults.max_in_flight_per_client
     )
     g.add_argument("--max-in-flight-total", type=count, default=defaults.max_in_flight_total)
-    g.add_argument("--max-frame-bytes", type=bounded(int, 1024), default=defaults.max_frame_bytes)
+    g.add_argument(
+        "--max-frame-bytes",
+        type=bounded(int, 1024),
+        default=None,
+        help="largest frame a client may send (default: 5 bytes per token of max_model_len"
+        " + 64 KiB, the largest valid Generate; a frame is decoded whole)",
+    )
     g.add_argument("--max-abort-ids", type=count, default=defaults.max_abort_ids)
     g.add_argument(
         "--max-prompt-tokens", type=count, default=None, help="default: the model's max_model_len"
@@ -265,8 +271,9 @@ def _control_policy(args: argparse.Namespace):  # noqa: ANN202 - ControlPolicy
     return ControlPolicy.from_key_files(args.control_key)
 
 
-def _limits(args: argparse.Namespace) -> GatewayLimits:
-    return GatewayLimits(
+def _limits(args: argparse.Namespace, max_model_len: int) -> GatewayLimits:
+    """The gateway's limits from its flags, defaults that follow the model filled in."""
+    limits = GatewayLimits(
         max_frame_bytes=args.max_frame_bytes,
         max_prompt_tokens=args.max_prompt_tokens,
         max_in_flight_per_client=args.max_in_flight_per_client,
@@ -279,6 +286,7 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
         max_clients=args.max_clients,
         default_heartbeat_interval_s=args.heartbeat_interval,
     )
+    return limits.for_model(max_model_len)
 
 
 def _check_gateway_flags(argv: list[str]) -> None:
@@ -343,7 +351,7 @@ async def _serve(
     from .server import BindError, Gateway, Listener, freeze_startup_heap
     from .vllm_engine import LoraModuleRefused, VllmEngine
 
-    limits = _limits(args)
+    limits = _limits(args, vllm_config.model_config.max_model_len)
     # Bind first: a bad or busy address fails in a second, not after engine start-up.
     try:
         listener = Listener(args.bind, limits, curve=_curve_config(args))
@@ -422,13 +430,14 @@ async def _serve(
             wl = gateway.table.wire_limits
             logger.info(
                 "engine-gateway %s serving %s on %s (max_model_len=%d, vocab=%d, eos=%s,"
-                " max_in_flight=%d/client %d total, max_frame_bytes=%d)",
+                " cpu_attention=%s, max_in_flight=%d/client %d total, max_frame_bytes=%d)",
                 gateway_version(),
                 info.model_name,
                 " ".join(gateway.addresses),
                 info.max_model_len,
                 info.vocab_size,
                 list(info.eos_token_ids),
+                info.cpu_attention or "-",
                 wl.max_in_flight_per_client,
                 wl.max_in_flight_total,
                 wl.max_frame_bytes,

@@ -34,6 +34,8 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     max_logprobs: int
     max_num_seqs: int
+    # vLLM's CPU attention kernels for this model here (amx, vec, vec16, ...); None off CPU.
+    cpu_attention: str | None = None
 
 
 class PrefillStatsLike(Protocol):

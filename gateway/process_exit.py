@@ -11,6 +11,8 @@ death when it happens."""
 
 from __future__ import annotations
 
+import signal
+
 EXIT_POLL_S = 0.5  # how often watchers look; a few /proc reads each time
 _PF_EXITING = 0x4  # include/linux/sched.h: the thread is in do_exit
 
@@ -30,3 +32,31 @@ def exit_status(pid: int) -> int | None:
         return None
     code = int(fields[49]) if len(fields) > 49 else 0  # field 52: as waitpid reports it
     return -(code & 0x7F) if code & 0x7F else code >> 8
+
+
+# What a signal that killed an engine process says about the cause, beyond its name.
+_SIGNAL_CAUSES = {
+    signal.SIGILL: (
+        "its CPU code path used an instruction this process may not run: on x86 with AMX,"
+        " tile instructions the kernel was not asked to allow; elsewhere, one this CPU lacks"
+    ),
+    signal.SIGKILL: "killed outright (by a user, a supervisor or the kernel's OOM killer)",
+    signal.SIGSEGV: "an invalid memory access in native code",
+    signal.SIGBUS: "a bus error in native code (often shared memory /dev/shm full)",
+    signal.SIGABRT: "native code aborted",
+}
+
+
+def describe_process_exit(name: str, code: int | None) -> str:
+    """``name`` and how it ended, in multiprocessing's exit-code form: a negative code is
+    the signal that killed it, named (with its usual cause) rather than numbered."""
+    if code is None:
+        return name
+    if code >= 0:
+        return f"{name} (exit status {code})"
+    try:
+        signum = signal.Signals(-code)
+    except ValueError:
+        return f"{name} (killed by signal {-code})"
+    cause = _SIGNAL_CAUSES.get(signum)
+    return f"{name} (killed by {signum.name}: {cause})" if cause else f"{name} ({signum.name})"

