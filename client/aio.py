@@ -67,6 +67,7 @@ from codec import (
     encode_payload,
 )
 
+from ._compat import timeout
 from .errors import (
     ClientError,
     GatewayUnavailable,
@@ -89,7 +90,10 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _MAX_PENDING_OUTPUTS = 64  # per request; past it, a sample's new outputs merge into its last
 # Errors that mean the gateway no longer holds a session for this client.
-_SESSION_GONE = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SLOW_CONSUMER)
+_SESSION_GONE = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SLOW_CONSUMER, ErrorCode.SESSION_EXPIRED)
+# Of those, the ones that end a request or call as SessionLost (retryable): never accepted,
+# or ended because the session expired.
+_RETRY_IN_NEW_SESSION = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SESSION_EXPIRED)
 
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -182,6 +186,21 @@ class RequestStream:
 
     def __aiter__(self) -> RequestStream:
         return self
+
+    async def start(self) -> None:
+        """Send the Generate now, if iteration has not sent it yet (raises as iteration)."""
+        if not self._started and not self._done:
+            try:
+                await self._client._start_request(self._message, self._state)
+            except BaseException:
+                self._done = True
+                raise
+            self._started = True
+
+    @property
+    def live(self) -> bool:
+        """Sent and not ended (nor aborted by its consumer)."""
+        return self._started and not self._done
 
     async def __anext__(self) -> RequestOutput:
         if self._done:
@@ -311,7 +330,7 @@ class AsyncClient(CompletionCalls):
         loop.add_reader(sock.FD, self._on_socket_events)
         self._send(Hello(PROTOCOL_VERSION, self.name, self._heartbeat_wanted))
         try:
-            async with asyncio.timeout(self._connect_timeout_s):
+            async with timeout(self._connect_timeout_s):
                 ack = await self._first_session
         except TimeoutError:
             await self.aclose()
@@ -347,6 +366,14 @@ class AsyncClient(CompletionCalls):
         """Whether a session with the gateway is open now."""
         return self._session is not None and self._session.is_set() and not self._closed
 
+    def live_request_ids(self) -> set[str]:
+        """Request ids still live on this client (sent, no terminal yet; aborted ones until
+        their terminal arrives): its load on the gateway."""
+        return set(self._streams)
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     # ------------------------------------------------------------ requests
 
     def new_request_id(self) -> str:
@@ -379,8 +406,9 @@ class AsyncClient(CompletionCalls):
         await self._wait_session()
         if message.request_id in self._streams:
             raise ValueError(f"request id {message.request_id!r} is still live on this client")
+        payload = self._encode_within_limit(message, message.request_id)
         self._streams[message.request_id] = state
-        self._send(message)
+        self._send_payload(payload)
 
     def _abandon(self, request_id: str, state: _Stream) -> None:
         """The consumer left a live request: abort it; keep its id until the terminal."""
@@ -401,20 +429,34 @@ class AsyncClient(CompletionCalls):
         """
         await self._wait_session()
         call_id = next(self._call_ids)
+        payload = self._encode_within_limit(
+            Abort(None if request_ids is None else list(request_ids), call_id)
+        )
         future: asyncio.Future[AbortAck] = asyncio.get_running_loop().create_future()
         self._abort_waiters[call_id] = future
-        self._send(Abort(None if request_ids is None else list(request_ids), call_id))
+        self._send_payload(payload)
         return await future
 
     async def ping(self) -> float:
-        """Round trip to the gateway, in seconds."""
-        self._check_open()
+        """Round trip to the gateway, in seconds.
+
+        Raises GatewayUnavailable when no session opens within ``reconnect_timeout_s``,
+        SessionLost when the session ends meanwhile, TimeoutError after the heartbeat
+        timeout without an answer."""
+        await self._wait_session()
         nonce = next(self._call_ids)
         future: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
         self._pongs[nonce] = future
         start = time.perf_counter()
         self._send(Ping(nonce))
-        await future
+        ack = self.hello_ack
+        wait_s = ack.heartbeat_timeout_s if ack is not None else self._connect_timeout_s
+        try:
+            async with timeout(wait_s):
+                await future
+        except TimeoutError:
+            self._pongs.pop(nonce, None)
+            raise TimeoutError(f"no Pong from {self.address} within {wait_s}s") from None
         return time.perf_counter() - start
 
     async def model_info(self) -> ModelInfoReply:
@@ -471,10 +513,25 @@ class AsyncClient(CompletionCalls):
         self._check_open()
         await self._wait_session()
         call_id = next(self._call_ids)
+        payload = self._encode_within_limit(message_type(call_id, *args))
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(message_type(call_id, *args))
+        self._send_payload(payload)
         return await future
+
+    def _encode_within_limit(self, msg: Any, request_id: str | None = None) -> bytes:
+        """``msg``'s payload; RequestFailed(FRAME_TOO_LARGE) here, without sending it, when
+        it exceeds the gateway's ``max_frame_bytes`` (HelloAck)."""
+        payload = encode_payload(msg)
+        ack = self.hello_ack
+        if ack is not None and len(payload) > ack.limits.max_frame_bytes:
+            raise RequestFailed(
+                request_id,
+                ErrorCode.FRAME_TOO_LARGE,
+                f"{type(msg).__name__} of {len(payload)} bytes exceeds the gateway's"
+                f" max_frame_bytes ({ack.limits.max_frame_bytes}); not sent",
+            )
+        return payload
 
     # ------------------------------------------------------------ session
 
@@ -489,7 +546,7 @@ class AsyncClient(CompletionCalls):
         if session.is_set():
             return
         try:
-            async with asyncio.timeout(self._reconnect_timeout_s):
+            async with timeout(self._reconnect_timeout_s):
                 await session.wait()
         except TimeoutError:
             raise GatewayUnavailable(
@@ -537,16 +594,19 @@ class AsyncClient(CompletionCalls):
                 continue
             self._send(Hello(PROTOCOL_VERSION, self.name, self._heartbeat_wanted))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(backoff):
+                async with timeout(backoff):
                     await session.wait()
             backoff = min(backoff * 2, _RECONNECT_BACKOFF_S[1])
 
     # ------------------------------------------------------------ plumbing
 
     def _send(self, msg: Any) -> None:
+        self._send_payload(encode_payload(msg))
+
+    def _send_payload(self, payload: bytes) -> None:
         sock = self._sock
         assert sock is not None
-        frames = [VERSION_FRAME, encode_payload(msg)]
+        frames = [VERSION_FRAME, payload]
         if self._outbox:  # keep order behind the sends still waiting
             self._outbox.append(frames)
             return
@@ -651,6 +711,7 @@ class AsyncClient(CompletionCalls):
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
         elif kind is Pong:
+            self._check_session_id(msg.session_id)
             future = self._pongs.pop(msg.nonce, None)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -673,6 +734,20 @@ class AsyncClient(CompletionCalls):
         if self._first_session is not None and not self._first_session.done():
             self._first_session.set_result(ack)
 
+    def _check_session_id(self, session_id: int) -> None:
+        """A Pong says which session the gateway holds for us (0: none). Another than ours
+        means the gateway ended ours without telling us (a reset connection, a restart, an
+        expiry we did not read): what is in flight will never end there."""
+        ack = self.hello_ack
+        if ack is None or not ack.session_id or not self.connected:
+            return  # a gateway that reports no session ids, or between sessions
+        if session_id != ack.session_id:
+            self._on_session_lost(
+                "the gateway holds no session for this client any more"
+                if session_id == 0
+                else "the gateway holds another session for this client"
+            )
+
     def _on_hello_refused(self, exc: BaseException) -> None:
         """The first Hello was refused: connect() raises it; later ones are retried."""
         if self._first_session is not None and not self._first_session.done():
@@ -686,6 +761,9 @@ class AsyncClient(CompletionCalls):
         why = f"[{msg.code.name}] {msg.message}"
         waiter = self._abort_waiters.pop(msg.call_id, None) if msg.call_id else None
         call = self._calls.pop(msg.call_id, None) if msg.call_id else None
+        if msg.code in _RETRY_IN_NEW_SESSION and (waiter is not None or call is not None):
+            # The call reached a gateway that holds no session for us: retry it in the next.
+            exc = SessionLost(f"the gateway holds no session for this client: {msg.message}")
         if waiter is not None:
             if not waiter.done():
                 waiter.set_exception(exc)
@@ -705,6 +783,8 @@ class AsyncClient(CompletionCalls):
                     f"request {msg.request_id!r} reached a gateway that holds no session"
                     f" for this client: {msg.message}"
                 )
+            elif msg.code is ErrorCode.SESSION_EXPIRED:
+                exc = SessionLost(f"request {msg.request_id!r} ended: {msg.message}")
             self._end_stream(msg.request_id, exc)
         else:
             self.connection_errors.append(msg)
@@ -713,7 +793,7 @@ class AsyncClient(CompletionCalls):
             elif not session_gone:
                 logger.warning("gateway error: %s", exc)
         if session_gone:
-            # After SLOW_CONSUMER each live request still gets its own Error: let them come.
+            # After SLOW_CONSUMER and SESSION_EXPIRED each live request gets its own Error.
             self._on_session_lost(why, fail_in_flight=msg.code is ErrorCode.HANDSHAKE_REQUIRED)
 
     def _end_stream(self, request_id: str, exc: BaseException) -> None:

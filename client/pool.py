@@ -15,18 +15,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from codec import AbortAck, HealthReply, RequestOptions, RequestOutput, SamplingParams
 
+from ._compat import timeout as compat_timeout
 from .aio import AsyncClient, RequestStream
-from .errors import GatewayUnavailable
+from .errors import ClientError, GatewayUnavailable
 from .results import CompletionCalls
 
 __all__ = ["GatewayPool", "PoolStream"]
 
 _RETRY_CONNECT_S = 1.0
+logger = logging.getLogger("engine_gateway.client")
 
 
 class PoolStream:
@@ -36,48 +39,28 @@ class PoolStream:
     def __init__(
         self,
         pool: GatewayPool,
+        request_id: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ):
         self._pool = pool
+        self.request_id = request_id
         self._args = args
         self._kwargs = kwargs
         self._stream: RequestStream | None = None
-        self._client: AsyncClient | None = None
         self.gateway: str | None = None
-
-    @property
-    def request_id(self) -> str | None:
-        return None if self._stream is None else self._stream.request_id
 
     def __aiter__(self) -> PoolStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
         if self._stream is None:
-            client = await self._pool._pick()
-            self._client, self.gateway = client, client.address
-            self._stream = client.generate(*self._args, **self._kwargs)
-            self._pool._owners[self._stream.request_id] = client
-        try:
-            out = await self._stream.__anext__()
-        except BaseException:
-            self._release()
-            raise
-        if self._stream._done:
-            self._release()
-        return out
+            self._stream = await self._pool._start(self)
+        return await self._stream.__anext__()
 
     async def aclose(self) -> None:
         if self._stream is not None:
             await self._stream.aclose()
-        self._release()
-
-    def _release(self) -> None:
-        client, self._client = self._client, None
-        if client is not None and self._stream is not None:
-            self._pool._in_flight[client] -= 1
-            self._pool._owners.pop(self._stream.request_id, None)
 
 
 class GatewayPool(CompletionCalls):
@@ -93,8 +76,10 @@ class GatewayPool(CompletionCalls):
         self._client_kwargs = client_kwargs
         self.clients = [AsyncClient(address, **client_kwargs) for address in addresses]
         self._reconnect_timeout_s = client_kwargs.get("reconnect_timeout_s", 30.0)
-        self._in_flight: dict[AsyncClient, int] = {c: 0 for c in self.clients}
-        self._owners: dict[str, AsyncClient] = {}
+        # Requests picked for a gateway whose Generate is not sent yet; the others in
+        # flight are the live streams of each gateway's client (no count to leak).
+        self._starting: dict[str, int] = {}
+        self._owners: dict[str, AsyncClient] = {}  # request id -> its client, while live
         self._turn = itertools.count()
         self._request_ids = itertools.count(1)
         self._retries: list[asyncio.Task[None]] = []
@@ -114,7 +99,7 @@ class GatewayPool(CompletionCalls):
         self._retries = [asyncio.ensure_future(self._join(c)) for c in self.clients]
         timeout = self._client_kwargs.get("connect_timeout_s", 60.0)
         try:
-            async with asyncio.timeout(timeout):
+            async with compat_timeout(timeout):
                 while not self.connected:
                     await asyncio.sleep(0.01)
         except TimeoutError:
@@ -125,31 +110,30 @@ class GatewayPool(CompletionCalls):
             ) from None
 
     async def _join(self, client: AsyncClient) -> None:
-        """Connect ``client``; if its gateway is down, try again every second."""
+        """Connect ``client``; if its gateway is down or refuses the Hello (full, or
+        another protocol version for now), try again every second."""
         index = self.clients.index(client)
         try:
             await client.connect()
             return
-        except GatewayUnavailable:
-            pass
+        except ClientError as exc:
+            logger.warning("gateway %s: %s; retrying every %.0fs", client.address, exc, 1.0)
         while True:
             await asyncio.sleep(_RETRY_CONNECT_S)
             fresh = AsyncClient(client.address, **self._client_kwargs)
             try:
                 await fresh.connect()
-            except GatewayUnavailable:
+            except ClientError:
                 continue
-            self._in_flight[fresh] = 0
             self.clients[index] = fresh
             return
 
     async def aclose(self) -> None:
+        """Close every gateway's client (their live requests are aborted)."""
         for task in self._retries:
             task.cancel()
-        for task in self._retries:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await asyncio.gather(*(c.aclose() for c in self.clients))
+        await asyncio.gather(*self._retries, return_exceptions=True)
+        await asyncio.gather(*(c.aclose() for c in self.clients), return_exceptions=True)
 
     @property
     def connected(self) -> list[str]:
@@ -158,7 +142,34 @@ class GatewayPool(CompletionCalls):
 
     def in_flight(self) -> dict[str, int]:
         """This pool's requests in flight, per gateway address."""
-        return {c.address: self._in_flight.get(c, 0) for c in self.clients}
+        return {c.address: self._load(c) for c in self.clients}
+
+    def _load(self, client: AsyncClient) -> int:
+        return len(client.live_request_ids()) + self._starting.get(client.address, 0)
+
+    async def _start(self, stream: PoolStream) -> RequestStream:
+        """Send ``stream``'s Generate to the least-loaded gateway that is up; no other
+        request of this pool may be live under its id."""
+        request_id = stream.request_id
+        owner = self._owners.get(request_id)
+        if owner is not None and owner.is_live(request_id):
+            raise ValueError(f"request id {request_id!r} is still live in this pool")
+        client = await self._pick()
+        address = client.address
+        self._starting[address] = self._starting.get(address, 0) + 1
+        try:
+            started = client.generate(*stream._args, **stream._kwargs)
+            await started.start()
+        finally:
+            self._starting[address] -= 1
+        stream.gateway = address
+        self._forget_finished_owners()
+        self._owners[request_id] = client
+        return started
+
+    def _forget_finished_owners(self) -> None:
+        if len(self._owners) > 1024 + 2 * sum(map(self._load, self.clients)):
+            self._owners = {r: c for r, c in self._owners.items() if c.is_live(r)}
 
     async def _pick(self) -> AsyncClient:
         """The connected gateway with the fewest requests in flight (ties rotate)."""
@@ -169,9 +180,7 @@ class GatewayPool(CompletionCalls):
             if up:
                 start = next(self._turn) % len(up)
                 rotated = up[start:] + up[:start]
-                chosen = min(rotated, key=self._in_flight.__getitem__)
-                self._in_flight[chosen] += 1
-                return chosen
+                return min(rotated, key=self._load)
             if loop.time() >= deadline:
                 raise GatewayUnavailable(
                     f"none of {len(self.clients)} gateways had a session within"
@@ -193,19 +202,32 @@ class GatewayPool(CompletionCalls):
         """As AsyncClient.generate, on the least-loaded gateway that is up."""
         request_id = request_id or f"p{self._prefix}-{next(self._request_ids)}"
         kwargs = dict(stream=stream, request_id=request_id, options=options)
-        return PoolStream(self, (prompt_token_ids, sampling), kwargs)
+        return PoolStream(self, request_id, (prompt_token_ids, sampling), kwargs)
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[AbortAck]:
-        """Abort some (None: all) of this pool's requests, on whichever gateway runs them."""
+        """Abort some (None: all) of this pool's requests, on whichever gateway runs them;
+        one AbortAck per gateway that did. A gateway without a session is skipped: its
+        requests ended with SessionLost already. Raises what a gateway refused (after the
+        others' aborts were carried out)."""
         if request_ids is None:
-            targets = [c for c in self.clients if c.connected]
-            return list(await asyncio.gather(*(c.abort(None) for c in targets)))
-        by_client: dict[AsyncClient, list[str]] = {}
-        for request_id in request_ids:
-            owner = self._owners.get(request_id)
-            if owner is not None:
-                by_client.setdefault(owner, []).append(request_id)
-        return list(await asyncio.gather(*(c.abort(ids) for c, ids in by_client.items())))
+            calls = {c: None for c in self.clients if c.connected}
+        else:
+            calls = {}
+            for request_id in request_ids:
+                owner = self._owners.get(request_id)
+                if owner is not None and owner.is_live(request_id):
+                    calls.setdefault(owner, []).append(request_id)
+        results = await asyncio.gather(
+            *(c.abort(ids) for c, ids in calls.items()), return_exceptions=True
+        )
+        refused = [
+            r
+            for r in results
+            if isinstance(r, BaseException) and not isinstance(r, GatewayUnavailable)
+        ]
+        if refused:
+            raise refused[0]
+        return [r for r in results if isinstance(r, AbortAck)]
 
     async def health(self) -> dict[str, HealthReply | None]:
         """Each gateway's HealthReply (None for one without a session)."""

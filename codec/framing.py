@@ -18,6 +18,7 @@ from .errors import ProtocolError
 from .messages import (
     CLIENT_TAGS,
     PROTOCOL_VERSION,
+    Abort,
     ClientMessage,
     ErrorCode,
     Generate,
@@ -98,7 +99,13 @@ def decode_client(
         ProtocolError: the peer's fault; its ``code`` says which rule broke and
             ``request_id`` is set when the bad message was a readable Generate.
     """
-    payload = _check_frames(frames, max_frame_bytes)
+    try:
+        payload = _check_frames(frames, max_frame_bytes)
+    except ProtocolError as exc:
+        if exc.code is ErrorCode.FRAME_TOO_LARGE:  # name the call or request, if it can
+            head = _peek_head(frames[1])
+            exc.request_id, exc.call_id = head
+        raise
     if max_prompt_tokens is not None and len(payload) > max_prompt_tokens:
         head = _peek_generate_head(payload)
         if head is not None and head[1] > max_prompt_tokens:
@@ -110,9 +117,13 @@ def decode_client(
     except msgspec.ValidationError as exc:
         raise _translate_validation(exc, payload) from None
     except msgspec.DecodeError as exc:
-        raise ProtocolError(ErrorCode.MALFORMED, f"payload is not valid msgpack: {exc}") from None
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"payload is not valid msgpack: {exc}", *_peek_head(payload)
+        ) from None
     except UnicodeDecodeError as exc:
-        raise ProtocolError(ErrorCode.MALFORMED, f"a string is not valid UTF-8: {exc}") from None
+        raise ProtocolError(
+            ErrorCode.MALFORMED, f"a string is not valid UTF-8: {exc}", *_peek_head(payload)
+        ) from None
 
 
 def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
@@ -139,9 +150,14 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
         return ProtocolError(ErrorCode.MALFORMED, "payload is not one msgpack value")
     tag = raw[0] if isinstance(raw, list) and raw else None
     cls = CLIENT_TAGS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
-    request_id = None
+    request_id = call_id = None
     if cls is Generate and len(raw) > 1 and isinstance(raw[1], str):
         request_id = raw[1]
+    elif cls is not None and "call_id" in cls.__struct_fields__:
+        position = cls.__struct_fields__.index("call_id") + 1
+        value = raw[position] if len(raw) > position else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            call_id = value
     text = str(exc)
     match = _PATH.search(text)
     if cls is None:
@@ -164,8 +180,9 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
                 ErrorCode.INVALID_MESSAGE,
                 f"{name}: missing required field(s) {missing}",
                 request_id,
+                call_id,
             )
-        return ProtocolError(ErrorCode.INVALID_MESSAGE, f"{name}: {text}", request_id)
+        return ProtocolError(ErrorCode.INVALID_MESSAGE, f"{name}: {text}", request_id, call_id)
     in_key, index, rest = match.groups()
     where = text[: match.start()] + (" (in a map key)" if in_key else "")
     if index is None or int(index) == 0:
@@ -174,7 +191,9 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
         fields = cls.__struct_fields__
         position = int(index) - 1
         field = fields[position] if position < len(fields) else f"[{index}]"
-    return ProtocolError(ErrorCode.INVALID_MESSAGE, f"{name}.{field}{rest}: {where}", request_id)
+    return ProtocolError(
+        ErrorCode.INVALID_MESSAGE, f"{name}.{field}{rest}: {where}", request_id, call_id
+    )
 
 
 def _defaults(cls: type[msgspec.Struct]) -> list[bool]:
@@ -234,6 +253,86 @@ def _peek_generate_head(payload: Buffer) -> tuple[str, int] | None:
     else:
         return None
     return request_id, length
+
+
+class _Reader:
+    """msgpack headers read one by one from a payload's start (IndexError: too short)."""
+
+    def __init__(self, payload: Buffer):
+        self.data = memoryview(payload)
+        self.pos = 0
+
+    def _take(self, size: int) -> int:
+        start = self.pos
+        self.pos += size
+        if self.pos > len(self.data):
+            raise IndexError("truncated")
+        return int.from_bytes(self.data[start : self.pos], "big")
+
+    def array(self) -> int | None:
+        kind = self._take(1)
+        if 0x90 <= kind <= 0x9F:
+            return kind & 0x0F
+        size = {0xDC: 2, 0xDD: 4}.get(kind)
+        return None if size is None else self._take(size)
+
+    def integer(self) -> int | None:
+        kind = self._take(1)
+        if kind <= 0x7F:
+            return kind
+        size = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(kind)
+        return None if size is None else self._take(size)
+
+    def skip_string(self) -> bool:
+        kind = self._take(1)
+        if 0xA0 <= kind <= 0xBF:
+            size = kind & 0x1F
+        elif kind in (0xD9, 0xDA, 0xDB):
+            size = self._take({0xD9: 1, 0xDA: 2, 0xDB: 4}[kind])
+        else:
+            return False
+        self._take(size)
+        return True
+
+
+_CALL_ID_AT = {  # tag -> the call_id's position among the message's fields
+    tag: cls.__struct_fields__.index("call_id")
+    for tag, cls in CLIENT_TAGS.items()
+    if "call_id" in cls.__struct_fields__
+}
+_ABORT_TAG = Abort.__struct_config__.tag
+_MAX_PEEKED_IDS = 65_536  # an Abort's ids walked over to reach its call_id
+
+
+def _peek_head(payload: Buffer) -> tuple[str | None, int | None]:
+    """(request_id, call_id) read from a message's first bytes where the message could not
+    be decoded whole (too large, or not msgpack past its start); (None, None) if unreadable.
+    Reads headers only: an Abort's ids are walked over, not decoded."""
+    try:
+        if isinstance(head := _peek_generate_head(payload), tuple):
+            return head[0], None
+        reader = _Reader(payload)
+        if not reader.array():
+            return None, None
+        tag = reader.integer()
+        at = _CALL_ID_AT.get(tag) if tag is not None else None
+        if at is None:
+            return None, None
+        if tag == _ABORT_TAG:  # request_ids (nil or an array of strings), then call_id
+            if reader.data[reader.pos] == 0xC0:
+                reader.pos += 1
+            else:
+                count = reader.array()
+                if count is None or count > _MAX_PEEKED_IDS:
+                    return None, None
+                for _ in range(count):
+                    if not reader.skip_string():
+                        return None, None
+        elif at != 0:
+            return None, None
+        return None, reader.integer()
+    except IndexError:
+        return None, None
 
 
 _NOT_MSGPACK = object()

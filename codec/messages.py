@@ -103,6 +103,7 @@ class ErrorCode(_OpenIntEnum):
     HANDSHAKE_REQUIRED = 10
     DUPLICATE_REQUEST_ID = 11
     UNAUTHORIZED = 12  # a control call from a client the operator did not allow
+    SESSION_EXPIRED = 13  # the session was silent past its heartbeat timeout: ended (retry)
     # Request-level.
     INVALID_REQUEST = 20  # rejected by vLLM's input processing / sampling validation
     UNSUPPORTED = 21  # a feature this deployment does not offer (e.g. LoRA off)
@@ -470,6 +471,8 @@ class HelloAck(_ServerBase, tag=64):
     limits: Limits
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    # This session's id (never 0); every Pong to this client carries it while it lasts.
+    session_id: int = 0
 
 
 class Outputs(_ServerBase, tag=65):
@@ -496,9 +499,11 @@ class AbortAck(_ServerBase, tag=67):
 
 
 class Pong(_ServerBase, tag=68):
-    """Answers a Ping with its nonce."""
+    """Answers a Ping with its nonce, and whether the sender still holds a session."""
 
     nonce: int
+    # The sender's session id (HelloAck.session_id); 0: this gateway holds no session for it.
+    session_id: int = 0
 
 
 class Overloaded(_ServerBase, tag=69):

@@ -1,9 +1,10 @@
 """Control operations: which engine call each allowed control message makes, and its reply.
 
 Rule: only these message types exist, each mapped here to a fixed engine method; nothing
-read from the wire names a method. Authorization and the table's side (paused state,
-Pause(abort) terminals) happen before, in SessionTable.on_control; the server runs
-``control_reply`` as its own task and sends what it returns.
+read from the wire names a method. Authorization and Pause(abort)'s terminals happen
+before, in SessionTable.on_control; the paused state changes here, once the engine call
+succeeded. The server runs ``control_reply`` as its own task (those in
+``ENGINE_STATE_CALLS`` one at a time) and sends what it returns.
 """
 
 from __future__ import annotations
@@ -29,7 +30,21 @@ from codec import (
 
 from .sessions import SessionTable
 
-__all__ = ["control_reply"]
+__all__ = ["ENGINE_STATE_CALLS", "control_reply"]
+
+# Calls that change the engine's state run one at a time, in the order they arrived: two
+# LoadLora at once picked the same adapter id, and vLLM served one adapter under both names.
+ENGINE_STATE_CALLS = (
+    Pause,
+    Resume,
+    ResetPrefixCache,
+    ReloadWeights,
+    SetWeightVersion,
+    Sleep,
+    WakeUp,
+    LoadLora,
+    UnloadLora,
+)
 
 
 async def control_reply(engine: Any, table: SessionTable, call: Any) -> ServerMessage:
@@ -40,9 +55,11 @@ async def control_reply(engine: Any, table: SessionTable, call: Any) -> ServerMe
     match call:
         case Pause(mode=mode, clear_cache=clear_cache):
             await engine.pause(mode, clear_cache)
+            table.paused = True  # not before: a failed Pause leaves the state as it was
             return ControlDone(call_id, "pause", mode)
         case Resume():
             await engine.resume()
+            table.paused = False
             return ControlDone(call_id, "resume")
         case ResetPrefixCache(reset_running=reset_running):
             done = await engine.reset_prefix_cache(reset_running)

@@ -34,7 +34,7 @@ from codec import (
 from codec.framing import DEFAULT_MAX_FRAME_BYTES, encode_payload
 
 from .auth import ControlPolicy, CurveConfig
-from .control import control_reply
+from .control import ENGINE_STATE_CALLS, control_reply
 from .engine import Engine, StepOutput
 from .errors import EngineDead, RequestRejected, SubmitFailed
 from .loop_watched_socket import LoopWatchedSocket
@@ -104,6 +104,7 @@ class Listener:
         )
         self.addresses: list[str] = []
         self._authenticator = None
+        self.curve_on = curve is not None  # frames carry their sender's CURVE key
         sock = self.sock
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH tells us a client left
@@ -161,6 +162,8 @@ class Gateway:
         self.engine = engine
         self.control = control
         self._tasks: set[asyncio.Task] = set()  # control calls and aborts under way
+        self._controls_in_flight: set[tuple[bytes, Any]] = set()  # (client, call) unanswered
+        self._engine_state_lock = asyncio.Lock()  # ENGINE_STATE_CALLS, one at a time
         self.limits = limits = limits.for_model(engine.info.max_model_len)
         self.binds = [bind] if isinstance(bind, str) else list(bind)
         self.drain_timeout_s = drain_timeout_s
@@ -188,6 +191,7 @@ class Gateway:
         self._backlog: dict[bytes, collections.deque[list[bytes]]] = {}
         self._backlog_extra: collections.Counter[bytes] = collections.Counter()
         self._curve = curve
+        self._curve_on = False  # set by serve(), from the listener
         self.frames_sent = 0
         self.frames_dropped = 0
         self.errors_by_code: collections.Counter[ErrorCode] = collections.Counter()
@@ -220,6 +224,7 @@ class Gateway:
         self._listener = None  # closed below: a second serve() binds afresh
         sock = listener.sock
         self._sock = sock
+        self._curve_on = listener.curve_on
         self.addresses = listener.addresses
         try:
             self.ready.set()
@@ -246,8 +251,9 @@ class Gateway:
         received = 0
         held_since = clock()
         policy = self.control
-        # With a control key allow-list, read frames with their CURVE User-Id.
-        copy = not policy.needs_user_id
+        # With CURVE, read frames with their CURVE User-Id: sessions belong to a key, and a
+        # control key allow-list checks it.
+        copy = not (policy.needs_user_id or self._curve_on)
         user_id = None
         while True:
             frames = await sock.recv_multipart(copy=copy)
@@ -270,9 +276,9 @@ class Gateway:
                 else:
                     if type(msg) in CONTROL_MESSAGES:
                         authorized = policy.allows(user_id)
-                        effects = table.on_control(client_id, msg, now, authorized)
+                        effects = table.on_control(client_id, msg, now, authorized, user_id)
                     else:
-                        effects = table.on_message(client_id, msg, now)
+                        effects = table.on_message(client_id, msg, now, user_id)
                 await self._apply(effects)
             except Exception as exc:  # a bug: answer this frame, keep serving everyone
                 logger.exception("handling a frame from %r failed", client_id)
@@ -337,7 +343,7 @@ class Gateway:
                     self.stop(self.exit_code)
                 elif now >= self._drain_deadline:
                     logger.info("drain deadline: aborting %d live requests", table.live_requests)
-                    await self._apply(table.abort_all())
+                    await self._apply(table.abort_all(now))
                     self.stop(self.exit_code)
 
     # ------------------------------------------------------------ effects
@@ -360,9 +366,26 @@ class Gateway:
         task.add_done_callback(self._tasks.discard)
 
     async def _run_control(self, client_id: bytes, call) -> None:  # noqa: ANN001
-        """Make one allowed control call on the engine; answer with its result or an Error."""
+        """Make one allowed control call on the engine; answer with its result or an Error.
+
+        Calls that change the engine's state wait their turn (arrival order). A call still
+        under way when the engine dies is answered ENGINE_DEAD by ``_on_engine_dead``."""
+        pending = (client_id, call)
+        self._controls_in_flight.add(pending)
         try:
-            reply = await control_reply(self.engine, self.table, call)
+            reply = await self._control_reply(call)
+        finally:
+            answered = pending not in self._controls_in_flight
+            self._controls_in_flight.discard(pending)
+        if not answered:
+            self._send(client_id, reply)
+
+    async def _control_reply(self, call) -> ServerMessage:  # noqa: ANN001
+        try:
+            if isinstance(call, ENGINE_STATE_CALLS):
+                async with self._engine_state_lock:
+                    return await control_reply(self.engine, self.table, call)
+            return await control_reply(self.engine, self.table, call)
         except EngineDead as exc:
             self._on_engine_dead(exc.message)
             reply = Error(None, ErrorCode.ENGINE_DEAD, exc.message, call.call_id)
@@ -380,7 +403,7 @@ class Gateway:
             reply = Error(
                 None, ErrorCode.INTERNAL, f"{type(call).__name__} failed: {exc!r}", call.call_id
             )
-        self._send(client_id, reply)
+        return reply
 
     async def _submit(self, prepared: Sequence) -> None:
         """Submit to the engine; a request that fails to submit fails alone."""
@@ -394,7 +417,10 @@ class Gateway:
                 return
             except SubmitFailed as exc:
                 logger.error("submitting %s failed: %s", exc.engine_request_id, exc.message)
-                await self._apply(table.on_submit_failed(exc.engine_request_id, exc.message))
+                failed = table.on_submit_failed(
+                    exc.engine_request_id, exc.message, time.monotonic()
+                )
+                await self._apply(failed)
                 prepared = [p for p in prepared if table.is_live(p.request_id)]
 
     async def _abort_in_engine(self, engine_request_ids: list[str]) -> None:
@@ -418,7 +444,7 @@ class Gateway:
             # The client's pipe is full (client_send_hwm frames): it is not reading.
             # Keep this frame and everything the table now owes it, in order.
             self._backlog[client_id] = collections.deque([frames])
-            effects = self.table.on_send_blocked(client_id)
+            effects = self.table.on_send_blocked(client_id, time.monotonic())
             self._pending_aborts.extend(effects.abort)
             logger.warning(
                 "client %r is not reading; ended %d requests", client_id, len(effects.replies)
@@ -429,7 +455,8 @@ class Gateway:
             # The client is gone: stop spending engine time on it (the
             # housekeeping loop tells the engine within one tick).
             self.frames_dropped += 1
-            self._pending_aborts.extend(self.table.on_client_gone(client_id).abort)
+            gone = self.table.on_client_gone(client_id, time.monotonic())
+            self._pending_aborts.extend(gone.abort)
         else:
             self.frames_dropped += 1
             logger.warning("send to %r failed: %r", client_id, exc)
@@ -483,5 +510,12 @@ class Gateway:
         )
         self.exit_code = EXIT_ENGINE_DEAD
         self._exit_at = time.monotonic() + self.engine_dead_grace_s
-        for client_id, msg in self.table.on_engine_dead(f"engine died: {message}").replies:
+        # Control calls under way: the engine will never answer them.
+        for client_id, call in self._controls_in_flight:
+            error = Error(None, ErrorCode.ENGINE_DEAD, f"engine died: {message}", call.call_id)
+            self._send(client_id, error)
+        self._controls_in_flight.clear()
+        for client_id, msg in self.table.on_engine_dead(
+            f"engine died: {message}", time.monotonic()
+        ).replies:
             self._send(client_id, msg)

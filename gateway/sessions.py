@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -60,7 +61,6 @@ from codec import (
     ReloadWeights,
     RequestOutput,
     RequestTimings,
-    Resume,
     ServerMessage,
     SetWeightVersion,
     WeightVersionSpan,
@@ -170,6 +170,9 @@ class _Sample:
     # spans' lengths follow from the next start and the final output_tokens.
     version: str | None = None
     versions: list[tuple[str, int]] = field(default_factory=list)
+    # The version the client was last told (RequestOutput.weight_version): behind
+    # ``version`` while the tokens of a new version are all held back.
+    sent_version: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -196,6 +199,8 @@ class _Client:
     requests: dict[str, _Request] = field(default_factory=dict)
     rate_tokens: float = 0.0
     rate_updated: float = 0.0
+    session_id: int = 0
+    key: str | None = None  # the CURVE public key that opened it, when CURVE is on
 
 
 class SessionTable:
@@ -218,6 +223,8 @@ class SessionTable:
         self.state = GatewayState.SERVING
         self.paused = False  # the engine's scheduler, by Pause until Resume
         self._prepare = prepare
+        # Session ids: from a random start, so that a restarted gateway's differ.
+        self._session_ids = itertools.count(secrets.randbits(62) + 1)
         self._gateway_version = gateway_version
         self._clients: dict[bytes, _Client] = {}
         # Slow consumers whose owed frames are not delivered yet: no new session.
@@ -288,15 +295,41 @@ class SessionTable:
 
     # ------------------------------------------------------------ inbound
 
-    def on_message(self, client_id: bytes, msg: ClientMessage, now: float) -> Effects:
-        """Handle one decoded client message."""
+    def on_message(
+        self, client_id: bytes, msg: ClientMessage, now: float, key: str | None = None
+    ) -> Effects:
+        """Handle one decoded client message. ``key``: its sender's CURVE public key (with
+        CURVE on): a session belongs to the key that opened it; another key's messages on
+        its routing id are refused and change nothing."""
         client = self._clients.get(client_id)
         if client is not None:
+            if client.key != key:
+                return self._not_the_owner(client_id, msg)
             client.last_seen = now
-        return self._handlers[type(msg)](client_id, msg, now)
+        effects = self._handlers[type(msg)](client_id, msg, now)
+        if key is not None and type(msg) is Hello and client_id in self._clients:
+            self._clients[client_id].key = key
+        return effects
+
+    def _not_the_owner(self, client_id: bytes, msg: ClientMessage) -> Effects:
+        if type(msg) is Ping:
+            return Effects(replies=[(client_id, Pong(msg.nonce))])
+        error = Error(
+            getattr(msg, "request_id", None) if type(msg) is Generate else None,
+            ErrorCode.UNAUTHORIZED,
+            "this routing id's session was opened with another CURVE key; it is not yours"
+            " to use or end (pick another routing id)",
+            getattr(msg, "call_id", None),
+        )
+        return Effects(replies=[(client_id, error)])
 
     def on_control(
-        self, client_id: bytes, msg: ClientMessage, now: float, authorized: bool
+        self,
+        client_id: bytes,
+        msg: ClientMessage,
+        now: float,
+        authorized: bool,
+        key: str | None = None,
     ) -> Effects:
         """A control call (one of codec.CONTROL_MESSAGES).
 
@@ -306,6 +339,8 @@ class SessionTable:
         """
         client = self._clients.get(client_id)
         if client is not None:
+            if client.key != key:
+                return self._not_the_owner(client_id, msg)
             client.last_seen = now
         call_id = msg.call_id
         if not authorized:
@@ -319,12 +354,9 @@ class SessionTable:
             error = Error(None, ErrorCode.INVALID_MESSAGE, problem, call_id)
             return Effects(replies=[(client_id, error)])
         effects = Effects()
-        if isinstance(msg, Pause):
-            self.paused = True
-            if msg.mode == "abort":
-                self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
-        elif isinstance(msg, Resume):
-            self.paused = False
+        # ``paused`` changes when the engine call succeeds (control.control_reply).
+        if isinstance(msg, Pause) and msg.mode == "abort":
+            self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
         effects.control.append((client_id, msg))
         return effects
 
@@ -363,7 +395,8 @@ class SessionTable:
         client = self._clients.get(client_id)
         if client is not None:
             client.last_seen = now
-        return Effects(replies=[(client_id, Error(exc.request_id, exc.code, exc.message))])
+        error = Error(exc.request_id, exc.code, exc.message, exc.call_id)
+        return Effects(replies=[(client_id, error)])
 
     def _on_hello(self, client_id: bytes, msg: Hello, now: float) -> Effects:
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -384,7 +417,7 @@ class SessionTable:
             return Effects(replies=[(client_id, error)])
         effects = Effects()
         if client_id in self._clients:  # reconnect under the same identity
-            self._end_client(client_id, FinishReason.ABORT, effects)
+            self._end_client(client_id, FinishReason.ABORT, effects, now)
         elif self.limits.max_clients and (
             len(self._clients) + len(self._blocked) >= self.limits.max_clients
         ):
@@ -397,6 +430,7 @@ class SessionTable:
             max(interval, limits.min_heartbeat_interval_s), limits.max_heartbeat_interval_s
         )
         timeout = interval * limits.heartbeat_timeout_factor
+        session_id = next(self._session_ids)
         self._clients[client_id] = _Client(
             client_id,
             msg.client_name,
@@ -405,6 +439,7 @@ class SessionTable:
             now,
             rate_tokens=float(limits.request_rate_burst),
             rate_updated=now,
+            session_id=session_id,
         )
         ack = HelloAck(
             protocol_version=PROTOCOL_VERSION,
@@ -413,6 +448,7 @@ class SessionTable:
             limits=self.wire_limits,
             heartbeat_interval_s=interval,
             heartbeat_timeout_s=timeout,
+            session_id=session_id,
         )
         effects.replies.append((client_id, ack))
         return effects
@@ -600,7 +636,9 @@ class SessionTable:
         return effects
 
     def _on_ping(self, client_id: bytes, msg: Ping, now: float) -> Effects:
-        return Effects(replies=[(client_id, Pong(msg.nonce))])
+        client = self._clients.get(client_id)
+        session_id = 0 if client is None else client.session_id
+        return Effects(replies=[(client_id, Pong(msg.nonce, session_id))])
 
     def _on_get_model_info(self, client_id: bytes, msg: GetModelInfo, now: float) -> Effects:
         reply = ModelInfoReply(msg.call_id, self.model_info, self.wire_limits)
@@ -644,7 +682,8 @@ class SessionTable:
                 and request.stream
                 and sample.matcher is None
                 and sample.first_token_at is not None
-                and (weight_version is None or weight_version == sample.version)
+                and (weight_version is None or weight_version == sample.sent_version)
+                and sample.version == sample.sent_version
                 and out.new_logprobs is None
                 and out.new_prompt_logprobs_tensors is None
                 and out.prefill_stats is None
@@ -679,7 +718,6 @@ class SessionTable:
     ) -> RequestOutput | None:
         new_token_ids = out.new_token_ids
         new_logprobs = out.new_logprobs
-        version_changed = None
         if new_token_ids:
             request.last_output_at = now
             if sample.first_token_at is None:
@@ -688,7 +726,7 @@ class SessionTable:
                 # Tokens produced before this output: sent (or cut) plus held back.
                 produced = sample.output_tokens + len(sample.held_ids)
                 sample.versions.append((weight_version, produced))
-                sample.version = version_changed = weight_version
+                sample.version = weight_version
         stats = out.prefill_stats
         if stats is not None:
             sample.cached_tokens = stats.num_cached_tokens
@@ -736,7 +774,7 @@ class SessionTable:
             if finished is not None:
                 self._retire(request, sample)
             elif not new_token_ids and out.new_prompt_logprobs_tensors is None:
-                return None  # every new token held back
+                return None  # every new token held back (a new version is told later)
             return RequestOutput(
                 request.request_id,
                 new_token_ids,
@@ -744,7 +782,7 @@ class SessionTable:
                 new_logprobs,
                 out.new_prompt_logprobs_tensors,
                 sample.index,
-                version_changed,
+                _version_news(sample) if new_token_ids else None,
             )
         sample.token_ids.extend(new_token_ids)
         sample.logprobs = Logprobs.concat(sample.logprobs, new_logprobs)
@@ -791,6 +829,8 @@ class SessionTable:
 
     @staticmethod
     def _final_output(request: _Request, sample: _Sample, finished: Finished) -> RequestOutput:
+        """A non-streaming sample's one output: its tokens, named with the version of the
+        last of them (Finished.weight_versions has every span)."""
         return RequestOutput(
             request.request_id,
             sample.token_ids if sample.token_ids is not None else [],
@@ -798,6 +838,7 @@ class SessionTable:
             sample.logprobs,
             sample.prompt_logprobs,
             sample.index,
+            sample.version if sample.token_ids else None,
         )
 
     def _retire(self, request: _Request, sample: _Sample) -> None:
@@ -820,8 +861,8 @@ class SessionTable:
         ending: FinishReason | tuple[ErrorCode, str],
         effects: Effects,
         *,
+        now: float,
         tell_engine: bool = True,
-        now: float | None = None,
     ) -> None:
         """End every live sample of ``requests`` now: the one way requests end early.
 
@@ -848,7 +889,6 @@ class SessionTable:
                 continue
             self.stats.finished[ending.name] += len(live)
             bucket = terminals.setdefault(request.client_id, [])
-            end_time = request.last_output_at if now is None else now
             for sample in live:
                 held, held_logprobs = sample.held_ids, sample.held_logprobs
                 if sample.matcher is not None:
@@ -856,11 +896,17 @@ class SessionTable:
                     sample.output_tokens += len(held)
                     self.stats.output_tokens += len(held)
                     sample.held_ids, sample.held_logprobs = [], None
-                finished = self._finished(request, sample, ending, None, end_time)
+                finished = self._finished(request, sample, ending, None, now)
                 if request.stream:
                     bucket.append(
                         RequestOutput(
-                            request.request_id, held, finished, held_logprobs, None, sample.index
+                            request.request_id,
+                            held,
+                            finished,
+                            held_logprobs,
+                            None,
+                            sample.index,
+                            _version_news(sample) if held else None,
                         )
                     )
                 else:
@@ -869,11 +915,15 @@ class SessionTable:
             effects.replies.append((client_id, Outputs(outputs)))
 
     def _end_client(
-        self, client_id: bytes, ending: FinishReason | tuple[ErrorCode, str], effects: Effects
+        self,
+        client_id: bytes,
+        ending: FinishReason | tuple[ErrorCode, str],
+        effects: Effects,
+        now: float,
     ) -> None:
         """End every live request of a client and forget its session."""
         client = self._clients.pop(client_id)
-        self._end_requests(list(client.requests.values()), ending, effects)
+        self._end_requests(list(client.requests.values()), ending, effects, now=now)
 
     def _all_requests(self) -> list[_Request]:
         return [r for client in self._clients.values() for r in client.requests.values()]
@@ -895,7 +945,17 @@ class SessionTable:
         for client in list(self._clients.values()):
             if now - client.last_seen > client.heartbeat_timeout_s:
                 self.stats.clients_expired += 1
-                self._end_client(client.client_id, FinishReason.ABORT, effects)
+                # An Error, not an ABORT output: a client whose loop was held past the
+                # timeout reads these first, and must learn that the session ended.
+                silent = now - client.last_seen
+                message = (
+                    f"the session expired: nothing was heard from this client for {silent:.1f}s"
+                    f" (heartbeat timeout {client.heartbeat_timeout_s:.1f}s); the request was"
+                    " aborted; send Hello again and retry it"
+                )
+                self._end_client(
+                    client.client_id, (ErrorCode.SESSION_EXPIRED, message), effects, now
+                )
         if self._timed:
             late = [
                 request
@@ -911,15 +971,15 @@ class SessionTable:
                 self._end_requests(late, FinishReason.TIMED_OUT, effects, now=now)
         return effects
 
-    def on_client_gone(self, client_id: bytes) -> Effects:
+    def on_client_gone(self, client_id: bytes, now: float) -> Effects:
         """The transport says ``client_id`` is unreachable: end its session now."""
         effects = Effects()
         self._blocked.discard(client_id)
         if client_id in self._clients:
-            self._end_client(client_id, FinishReason.ABORT, effects)
+            self._end_client(client_id, FinishReason.ABORT, effects, now)
         return effects
 
-    def on_send_blocked(self, client_id: bytes) -> Effects:
+    def on_send_blocked(self, client_id: bytes, now: float) -> Effects:
         """The server could not queue a frame for ``client_id``: it stopped reading.
 
         Its live requests end with one Error(SLOW_CONSUMER) each and its session
@@ -940,20 +1000,20 @@ class SessionTable:
             " queued): its requests were ended and its session closed; every frame sent"
             " before this one is still delivered, in order; send Hello again after reading them"
         )
-        self._end_client(client_id, (ErrorCode.SLOW_CONSUMER, message), effects)
+        self._end_client(client_id, (ErrorCode.SLOW_CONSUMER, message), effects, now)
         return effects
 
     def on_send_unblocked(self, client_id: bytes) -> None:
         """Every frame owed to a slow consumer was delivered: it may say Hello again."""
         self._blocked.discard(client_id)
 
-    def on_submit_failed(self, engine_request_id: str, message: str) -> Effects:
+    def on_submit_failed(self, engine_request_id: str, message: str, now: float) -> Effects:
         """Submitting one sample to a live engine failed: end its request with INTERNAL."""
         effects = Effects()
         entry = self._by_engine_id.get(engine_request_id)
         if entry is not None:
             request, _ = entry
-            self._end_requests([request], (ErrorCode.INTERNAL, message), effects)
+            self._end_requests([request], (ErrorCode.INTERNAL, message), effects, now=now)
         return effects
 
     @property
@@ -961,12 +1021,12 @@ class SessionTable:
         """Samples beyond what the engine can run at once (an estimate of its queue)."""
         return max(0, self._live_samples - self.info.max_num_seqs)
 
-    def on_engine_dead(self, message: str) -> Effects:
+    def on_engine_dead(self, message: str, now: float) -> Effects:
         """The engine failed: every live request ends with ENGINE_DEAD; refuse new ones."""
         self.state = GatewayState.ENGINE_DEAD
         effects = Effects()
         ending = (ErrorCode.ENGINE_DEAD, message)
-        self._end_requests(self._all_requests(), ending, effects, tell_engine=False)
+        self._end_requests(self._all_requests(), ending, effects, now=now, tell_engine=False)
         return effects
 
     def start_drain(self) -> None:
@@ -974,11 +1034,20 @@ class SessionTable:
         if self.state is GatewayState.SERVING:
             self.state = GatewayState.DRAINING
 
-    def abort_all(self) -> Effects:
+    def abort_all(self, now: float) -> Effects:
         """End every live request now with ABORT (drain deadline, shutdown)."""
         effects = Effects()
-        self._end_requests(self._all_requests(), FinishReason.ABORT, effects)
+        self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
         return effects
+
+
+def _version_news(sample: _Sample) -> str | None:
+    """The weight version to name on an output of ``sample`` that carries tokens: its
+    tokens' version when the client has not been told it yet, else None (unchanged)."""
+    if sample.version == sample.sent_version:
+        return None
+    sample.sent_version = sample.version
+    return sample.version
 
 
 def _spans(starts: list[tuple[str, int]], output_tokens: int) -> list[WeightVersionSpan]:

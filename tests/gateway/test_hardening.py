@@ -446,9 +446,12 @@ def test_control_key_allow_list_admits_only_the_named_curve_client(curve_keys):
             assert info.value.code is ErrorCode.UNAUTHORIZED
             assert other.complete([5], SamplingParams(max_tokens=2)).output_tokens == 2
         assert gw.engine.calls == []
-        with Client(gw.address, curve_keys=trainer, identity=b"same-identity") as allowed:
+        # The stranger's session (until it expires) belongs to its key: the trainer uses
+        # another routing id (on the stranger's, it would be refused: test_curve_sessions...).
+        with Client(gw.address, curve_keys=trainer, identity=b"trainer-identity") as allowed:
             assert allowed.pause("keep").operation == "pause"
             assert allowed.health().paused
             assert allowed.resume().operation == "resume"
-            assert allowed.stats().gateway["connected_clients"] == 1
+            # The stranger's session lasts until its heartbeat timeout: its key's alone.
+            assert allowed.stats().gateway["connected_clients"] == 2
         assert gw.engine.calls == ["pause:keep", "resume"]

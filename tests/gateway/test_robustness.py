@@ -69,10 +69,10 @@ async def test_a_bug_while_handling_a_frame_answers_internal_and_the_loop_goes_o
     async with running_gateway(FakeEngine()) as gw, AsyncClient(gw.addresses[0]) as client:
         on_message = gw.table.on_message
 
-        def buggy(client_id, msg, now):
+        def buggy(client_id, msg, now, key=None):
             if isinstance(msg, Ping) and msg.nonce == 13:
                 raise KeyError("planted")
-            return on_message(client_id, msg, now)
+            return on_message(client_id, msg, now, key)
 
         gw.table.on_message = buggy
         client._send(Ping(13))

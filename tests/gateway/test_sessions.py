@@ -267,7 +267,8 @@ def test_silent_clients_expire_and_their_requests_are_aborted():
     effects = h.apply(h.table.expire(h.now))
     assert effects.abort == [eid]
     assert h.table.connected_clients == 1 and h.table.live_requests == 0
-    assert h.take(A)[-1].outputs[0].finished.finish_reason is FinishReason.ABORT
+    expired = h.take(A)[-1]  # an Error: the client must learn its session ended
+    assert expired.code is ErrorCode.SESSION_EXPIRED and "session expired" in expired.message
     h.send(A, Generate("r2", [5]))
     assert h.take(A)[0].code is ErrorCode.HANDSHAKE_REQUIRED
 
@@ -315,7 +316,7 @@ def test_engine_death_errors_every_live_request_and_refuses_new_ones():
     hello(h, B)
     h.send(A, Generate("a1", [5]))
     h.send(B, Generate("b1", [5]))
-    effects = h.apply(h.table.on_engine_dead("boom"))
+    effects = h.apply(h.table.on_engine_dead("boom", h.now))
     assert effects.abort == []
     (ea,) = h.take(A)
     assert ea.code is ErrorCode.ENGINE_DEAD and ea.request_id == "a1"
@@ -334,7 +335,7 @@ def test_drain_refuses_new_requests_and_abort_all_ends_the_rest():
     h.send(A, Generate("r2", [5]))
     (err,) = h.take(A)
     assert err.code is ErrorCode.DRAINING
-    h.apply(h.table.abort_all())
+    h.apply(h.table.abort_all(h.now))
     (terminal,) = h.take(A)
     assert terminal.outputs[0].finished.finish_reason is FinishReason.ABORT
     assert h.table.live_requests == 0

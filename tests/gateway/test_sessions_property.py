@@ -274,14 +274,17 @@ class Run:
         ended = self.end_expected([r for c in expired for r in self.live(c)])
         effects = self.table.expire(self.now)
         self.apply(effects, ended)
-        self.check_abort_terminals(ended, FinishReason.ABORT, effects)
+        errors = {(c, m.request_id): m.code for c, m in effects.replies if isinstance(m, Error)}
+        for sample in ended:  # one SESSION_EXPIRED Error per request: the client must retry
+            request = self.requests_of(sample)
+            assert errors[(request.client, request.request_id)] is ErrorCode.SESSION_EXPIRED
         for client in expired:
             del self.sessions[client]
         assert self.table.connected_clients == len(self.sessions)
 
     def gone(self, client: bytes) -> None:
         ended = self.end_expected(self.live(client)) if client in self.sessions else []
-        effects = self.table.on_client_gone(client)
+        effects = self.table.on_client_gone(client, self.now)
         self.apply(effects, ended)
         self.check_abort_terminals(ended, FinishReason.ABORT, effects)
         self.sessions.pop(client, None)
@@ -294,7 +297,7 @@ class Run:
             if client in self.sessions and not was_blocked
             else []
         )
-        effects = self.table.on_send_blocked(client)
+        effects = self.table.on_send_blocked(client, self.now)
         self.apply(effects, ended)
         errors = {(c, m.request_id): m.code for c, m in effects.replies if isinstance(m, Error)}
         for sample in ended:
@@ -315,14 +318,14 @@ class Run:
         sample = live[pick % len(live)]
         request = self.requests_of(sample)
         ended = self.end_expected([request])
-        effects = self.table.on_submit_failed(sample.engine_id, "refused")
+        effects = self.table.on_submit_failed(sample.engine_id, "refused", self.now)
         self.apply(effects, ended)
         ((who, reply),) = [(c, m) for c, m in effects.replies if isinstance(m, Error)]
         assert reply.code is ErrorCode.INTERNAL and reply.request_id == request.request_id
 
     def kill_engine(self) -> None:
         ended = self.end_expected(self.live())
-        effects = self.table.on_engine_dead("killed")
+        effects = self.table.on_engine_dead("killed", self.now)
         assert effects.abort == [], "told a dead engine to abort"
         self.apply(effects, ended, tell_engine=False)
         for sample in ended:
@@ -343,7 +346,7 @@ class Run:
     def finish(self) -> None:
         """Shutdown: abort_all ends everything; the table is empty and consistent."""
         ended = self.end_expected(self.live())
-        effects = self.table.abort_all()
+        effects = self.table.abort_all(self.now)
         self.apply(effects, ended, tell_engine=not self.engine_dead)
         if not self.engine_dead:
             self.check_abort_terminals(ended, FinishReason.ABORT, effects)
