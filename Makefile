@@ -11,6 +11,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+	./scripts/client_pythons.sh
 
 test-slow: setup
 	$(PY) -m pytest -q --run-slow

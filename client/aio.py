@@ -325,6 +325,7 @@ class AsyncClient(CompletionCalls):
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._session = asyncio.Event()
+        self._lost = asyncio.Event()  # set while the session is lost, for the keeper
         self._first_session = loop.create_future()
         self._last_heard = time.monotonic()
         loop.add_reader(sock.FD, self._on_socket_events)
@@ -450,7 +451,8 @@ class AsyncClient(CompletionCalls):
         start = time.perf_counter()
         self._send(Ping(nonce))
         ack = self.hello_ack
-        wait_s = ack.heartbeat_timeout_s if ack is not None else self._connect_timeout_s
+        # Past the keeper's own silence check (which fails it with SessionLost first).
+        wait_s = ack.heartbeat_timeout_s + 2 * ack.heartbeat_interval_s if ack else 60.0
         try:
             async with timeout(wait_s):
                 await future
@@ -566,6 +568,7 @@ class AsyncClient(CompletionCalls):
             return
         logger.warning("session with %s lost: %s; reconnecting", self.address, why)
         session.clear()
+        self._lost.set()
         if fail_in_flight:
             self._fail_all(SessionLost(f"session with the gateway at {self.address} lost: {why}"))
 
@@ -581,7 +584,12 @@ class AsyncClient(CompletionCalls):
             if session.is_set():
                 backoff = _RECONNECT_BACKOFF_S[0]
                 due = time.monotonic() + ack.heartbeat_interval_s
-                await asyncio.sleep(ack.heartbeat_interval_s)
+                lost = self._lost
+                with contextlib.suppress(TimeoutError):
+                    async with timeout(ack.heartbeat_interval_s):
+                        await lost.wait()  # a loss seen meanwhile: say Hello at once
+                if lost.is_set():
+                    continue
                 self._send(Ping(next(nonces)))
                 now = time.monotonic()
                 if now - due > _PAUSE_S:
@@ -730,6 +738,7 @@ class AsyncClient(CompletionCalls):
         self.hello_ack = ack
         self.sessions_opened += 1
         self._last_heard = time.monotonic()
+        self._lost.clear()
         session.set()
         if self._first_session is not None and not self._first_session.done():
             self._first_session.set_result(ack)
@@ -788,7 +797,10 @@ class AsyncClient(CompletionCalls):
             self._end_stream(msg.request_id, exc)
         else:
             self.connection_errors.append(msg)
-            if msg.code is ErrorCode.UNSUPPORTED_VERSION and not self.connected:
+            if (
+                msg.code in (ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNAUTHORIZED)
+                and not self.connected
+            ):
                 self._on_hello_refused(exc)
             elif not session_gone:
                 logger.warning("gateway error: %s", exc)

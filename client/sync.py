@@ -54,7 +54,9 @@ class Client:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(self.timeout_s)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError:  # (TimeoutError itself on Python 3.11+)
+            if future.done():
+                raise  # the call's own TimeoutError
             future.cancel()
             raise TimeoutError(f"no answer within {self.timeout_s}s") from None
         except BaseException:  # Ctrl-C: cancel the call on the loop (aborts a request)
@@ -91,7 +93,8 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            asyncio.run_coroutine_threadsafe(requests.aclose(), self._loop).result(5)
+            if self._loop.is_running():  # else the client is closed: nothing is live
+                asyncio.run_coroutine_threadsafe(requests.aclose(), self._loop).result(5)
 
     def complete(
         self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, **kwargs: Any

@@ -6,7 +6,12 @@ benchmarks), cli (``engine-gateway serve``). Importing this package does not
 import vLLM.
 """
 
-from .engine import Engine, EngineInfo
+import sys
+
+if sys.version_info < (3, 11):  # the client library (``client``) runs on 3.10 too
+    raise ImportError("engine-gateway's server needs Python 3.11 or newer")
+
+from .engine import Engine, EngineInfo  # noqa: E402
 from .errors import EngineDead, GatewayError, RequestRejected
 from .server import EXIT_ENGINE_DEAD, EXIT_OK, Gateway
 from .sessions import GatewayLimits, SessionTable

@@ -4,9 +4,10 @@ key files) and ``bench`` (load-test any running gateway).
 Engine flags are vLLM's own (its parser, via vllm_engine), accepted exactly as
 ``vllm serve`` accepts them; gateway flags are ours. With no model given it
 serves the embedded tiny random Llama, generated and cached on first use.
-SIGTERM or Ctrl-C drains (second Ctrl-C stops at once).
+SIGTERM or Ctrl-C drains (second Ctrl-C stops at once); during engine start-up either
+stops the start at once (gateway/stop_signals.py).
 
-Exit status: 0 after a drain; 2 for a bad command line, found before the
+Exit status: 0 after a drain (or a stop before serving); 2 for a bad command line, found before the
 engine starts where it can be (flags, model path, addresses and ports, key
 files; a --lora-module adapter vLLM cannot load, once the engine is up): one
 line on stderr naming the flag; 1 when the engine failed to start;
@@ -414,7 +415,11 @@ async def _serve(
             else:
                 gateway.drain()
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        # A group's gateways take no SIGINT: their supervisor drains them (stop_signals.py).
+        signals = (
+            (signal.SIGTERM,) if client_config is not None else (signal.SIGTERM, signal.SIGINT)
+        )
+        for signum in signals:
             loop.add_signal_handler(signum, on_signal, signum)
         if client_config is not None:  # the supervisor saw the engine group die
             from .group import engines_dead_reason
@@ -472,6 +477,9 @@ def serve_main(argv: list[str]) -> int:
         args.model = args.model_tag
     args.bind = args.bind or [DEFAULT_BIND]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .stop_signals import StopRequested, stop_while_starting
+
+    stop_while_starting()  # until serving: the handlers serve() and serve_group() install
     try:
         if args.model is None:
             _tiny_model_defaults(args, argv)
@@ -485,8 +493,9 @@ def serve_main(argv: list[str]) -> int:
         return uvloop.run(_serve(args, engine_args, vllm_config))
     except UsageError as exc:
         return _fail("serve", str(exc))
-    except KeyboardInterrupt:
-        return 130
+    except StopRequested as stop:
+        logging.getLogger("engine_gateway").info("%s before serving: stopped", stop)
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,10 @@ each gateway is a spawned process with its own ROUTER endpoint that attaches to 
 as vLLM client ``index`` of ``N`` (vllm_engine.launch_engine_group). The supervisor
 serves nothing itself. It:
 
-- forwards SIGTERM / SIGINT to the gateways as SIGTERM (each drains);
+- forwards SIGTERM / SIGINT to the gateways as SIGTERM (each drains); a terminal's Ctrl-C
+  reaches only it: gateways and vLLM's processes ignore SIGINT (stop_signals.py); before
+  the engines are up, either signal stops the start (exit 0);
+- refuses a busy ``--metrics-port`` before starting anything (exit 2, as ``serve``);
 - on an engine's or the coordinator's death, sends SIGUSR1 to every gateway: each
   ends its live requests with ENGINE_DEAD and exits 3, and so does the supervisor;
 - when a gateway dies, keeps the others serving (clients fail over, PROTOCOL.md), and
@@ -16,7 +19,8 @@ When the supervisor itself is killed (SIGKILL, OOM), the engines and the coordin
 (``gateway.parent_watch``, through the vLLM plugin), and each gateway takes SIGUSR1 as if
 the supervisor had sent it.
 
-Exit status: 0 when every gateway drained, 3 when the engines died, 1 otherwise.
+Exit status: 0 when every gateway drained (or a signal stopped the start), 2 for a busy
+--metrics-port, 3 when the engines died, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from .parent_watch import parent_gone, watch_parent
-from .preflight import gateway_bind_addresses
+from .preflight import UsageError, gateway_bind_addresses
+from .stop_signals import StopRequested, stop_while_starting
 
 __all__ = ["engines_dead_reason", "serve_group"]
 
@@ -49,6 +54,9 @@ def gateway_process_main(
     """Entry point of gateway ``index`` (a spawned process)."""
     faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` prints every thread's stack
     watch_parent(signal.SIGUSR1)  # a killed supervisor's engines stop with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the supervisor drains
+    # Until it serves, the supervisor's SIGTERM stops this gateway's start at once.
+    stop_while_starting((signal.SIGTERM,))
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s gateway-{index} %(name)s %(levelname)s %(message)s",
@@ -59,7 +67,6 @@ def gateway_process_main(
     import uvloop
 
     from .cli import _serve
-    from .preflight import UsageError
 
     engine_args = engine_args_from_namespace(args)
     vllm_config = engine_config(engine_args, count, index)
@@ -68,6 +75,8 @@ def gateway_process_main(
     except UsageError as exc:
         print(f"engine-gateway serve: gateway {index}: error: {exc}", file=sys.stderr)
         code = 2
+    except StopRequested:
+        code = EXIT_OK
     sys.exit(code)
 
 
@@ -113,18 +122,26 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
         with contextlib.suppress(BlockingIOError):
             os.write(wake_write, b"!")
 
-    previous = {
-        signum: signal.signal(signum, lambda signum, _frame: note(f"signal {signum}"))
-        for signum in (signal.SIGTERM, signal.SIGINT)
-    }
+    _check_metrics_ports(args)
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         try:
+            # SIGTERM / SIGINT raise StopRequested meanwhile (cli.serve_main installed it).
             group = launch_engine_group(vllm_config, count, args.engine_stats, start_gateway)
+        except StopRequested:
+            logger.info("stopped while the engines started")
+            _stop_all(gateways, signal.SIGTERM)
+            for gateway in gateways:
+                gateway.join(10)
+            _stop_all(gateways, signal.SIGKILL)
+            raise
         except Exception as exc:
             logger.exception("the engines failed to start")
             print(f"engine-gateway serve: the engine failed to start: {exc}", file=sys.stderr)
             _stop_all(gateways, signal.SIGKILL)
             return EXIT_FAILED
+        for signum in previous:
+            signal.signal(signum, lambda signum, _frame: note(f"signal {signum}"))
         logger.info("engines ready; %d gateways attaching", count)
         try:
             group.watch(lambda name: note(f"engine {name}"))
@@ -176,6 +193,25 @@ def _supervise(gateways: list[BaseProcess], wake: int, events: list[str]) -> int
     if engine_dead:
         return EXIT_ENGINE_DEAD
     return EXIT_OK if all(code == EXIT_OK for code in codes) else EXIT_FAILED
+
+
+def _check_metrics_ports(args: argparse.Namespace) -> None:
+    """Each gateway's --metrics-port (port + index) must be free: a busy one is a usage
+    error (exit 2) found before the engines start, as for a single ``serve``."""
+    if not args.metrics_port:
+        return
+    import socket
+
+    for index in range(args.gateway_count):
+        port = args.metrics_port + index
+        with socket.socket(socket.AF_INET6 if ":" in args.metrics_host else socket.AF_INET) as sock:
+            try:
+                sock.bind((args.metrics_host, port))
+            except OSError as exc:
+                raise UsageError(
+                    "--metrics-port",
+                    f"{args.metrics_host}:{port} (gateway {index}): {exc.strerror}",
+                ) from None
 
 
 def _stop_all(gateways: Any, signum: int) -> None:

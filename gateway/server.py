@@ -49,6 +49,7 @@ logger = logging.getLogger("engine_gateway")
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 _HOUSEKEEPING_S = 0.1
+_CURVE_HEARTBEAT_MS = 1000  # ZMTP heartbeats on CURVE connections (see Listener)
 _PAUSE_S = 0.25  # a housekeeping tick this late means the process itself did not run
 _PAUSE_LOGGED_S = 1.0
 # zmq drops (and disconnects) peers whose messages exceed this; the protocol
@@ -108,7 +109,15 @@ class Listener:
         sock = self.sock
         try:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # EHOSTUNREACH tells us a client left
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # same identity reconnecting takes over
+            if curve is None:
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # same identity reconnecting takes over
+            else:
+                # With CURVE a routing id is not a credential: a second connection under an
+                # id in use is ignored by ZeroMQ (it would get the first one's outputs), and
+                # ZMTP heartbeats end a dead connection's pipe within seconds, so that its
+                # client can reconnect under its id.
+                sock.setsockopt(zmq.HEARTBEAT_IVL, _CURVE_HEARTBEAT_MS)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * _CURVE_HEARTBEAT_MS)
             frame_limit = limits.max_frame_bytes or DEFAULT_MAX_FRAME_BYTES
             sock.setsockopt(zmq.MAXMSGSIZE, frame_limit * _HARD_MESSAGE_FACTOR)
             sock.setsockopt(zmq.SNDHWM, limits.client_send_hwm)

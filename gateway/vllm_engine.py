@@ -42,6 +42,7 @@ from .errors import EngineDead, RequestRejected, SubmitFailed
 from .loop_watched_socket import LoopWatchedSocket
 from .parent_watch import watch_parent
 from .process_exit import EXIT_POLL_S, describe_process_exit, exit_status
+from .stop_signals import ignore_terminal_interrupt
 
 __all__ = [
     "SUPPORTED_VLLM",
@@ -121,7 +122,10 @@ def load_vllm_plugin() -> None:
       worker died of SIGILL at its first step (``allow_amx_tiles``).
     - A worker process that dies is named, with its signal, to the gateway
       (``_report_worker_deaths``): vLLM's EngineCore tells its clients only that it failed.
+    - vLLM's processes under a gateway ignore a terminal's Ctrl-C, which the gateway
+      drains on (``gateway.stop_signals``).
     """
+    ignore_terminal_interrupt()  # under a gateway: it drains on Ctrl-C, not the engines
     _stop_engine_core_with_its_parent()
     _stop_dp_coordinator_with_its_parent()
     _reload_weights_safely()
@@ -276,6 +280,7 @@ def _run_dp_coordinator(*args: Any, **kwargs: Any) -> None:
     from vllm.v1.engine.coordinator import DPCoordinatorProc
 
     watch_parent()
+    ignore_terminal_interrupt()
     # Spawned: a fresh import, unpatched. Forked: the patched class, original kept aside.
     run = getattr(
         DPCoordinatorProc, "_engine_gateway_run_coordinator", DPCoordinatorProc.run_coordinator

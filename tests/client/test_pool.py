@@ -8,7 +8,15 @@ import contextlib
 
 import pytest
 
-from client import FinishReason, GatewayPool, GatewayUnavailable, SamplingParams, SessionLost
+from client import (
+    AsyncClient,
+    FinishReason,
+    GatewayPool,
+    GatewayUnavailable,
+    RequestFailed,
+    SamplingParams,
+    SessionLost,
+)
 from gateway.fake_engine import FakeEngine
 from tests.conftest import ipc_address, running_gateway
 from tests.helpers import stream_outcome
@@ -88,6 +96,7 @@ async def test_a_gateway_that_starts_later_joins_the_pool():
                     await asyncio.sleep(0.02)
             streams = await start_streams(pool, 4)
             assert sorted(pool.in_flight().values()) == [2, 2]
+            assert late_address in {s.gateway for s in streams}
             await pool.abort()
             for stream in streams:
                 await stream_outcome(stream)
@@ -97,3 +106,125 @@ async def test_no_gateway_up_is_gateway_unavailable():
     pool = GatewayPool([ipc_address("none-a"), ipc_address("none-b")], connect_timeout_s=0.3)
     with pytest.raises(GatewayUnavailable):
         await pool.connect()
+
+
+async def two_gateways_and_a_pool(stack: contextlib.AsyncExitStack, **limits):
+    engines = [FakeEngine(step_interval_s=0.01) for _ in range(2)]
+    gateways = [await stack.enter_async_context(running_gateway(e, **limits)) for e in engines]
+    pool = await stack.enter_async_context(
+        GatewayPool([g.addresses[0] for g in gateways], **FAST_HEARTBEAT)
+    )
+    return engines, gateways, pool
+
+
+async def test_streams_left_early_or_refused_leave_no_count_behind():
+    """100 loops left with ``break`` (no aclose) and refused requests: once their aborts
+    land, nothing counts as in flight and the engines hold nothing."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines, gateways, pool = await two_gateways_and_a_pool(stack)
+        for i in range(100):
+            async for _ in pool.generate([5 + i % 7], LONG):
+                break
+        with pytest.raises(RequestFailed):  # refused by the gateway: out of vocabulary
+            await pool.complete([10**6], SHORT)
+        async with asyncio.timeout(10):
+            while any(pool.in_flight().values()) or any(e._live for e in engines):
+                await asyncio.sleep(0.02)
+        # Routing is even again: 4 new streams split 2 and 2.
+        streams = await start_streams(pool, 4)
+        assert sorted(pool.in_flight().values()) == [2, 2]
+        await pool.abort()
+        for stream in streams:
+            await stream_outcome(stream)
+
+
+async def test_a_request_id_live_anywhere_in_the_pool_is_refused_and_the_live_one_kept():
+    async with contextlib.AsyncExitStack() as stack:
+        engines, gateways, pool = await two_gateways_and_a_pool(stack)
+        live = pool.generate([5], LONG, request_id="dup")
+        await anext(live)
+        for _ in range(3):  # whichever gateway each would go to
+            with pytest.raises(ValueError, match="still live in this pool"):
+                await anext(pool.generate([6], LONG, request_id="dup"))
+        (ack,) = await pool.abort(["dup"])
+        assert ack.aborted == ["dup"]
+        assert await stream_outcome(live) is None
+        assert sum(len(e._live) for e in engines) == 0
+        # Once ended, the id may be used again.
+        assert (await pool.complete([7], SHORT, request_id="dup")).output_tokens == 3
+
+
+async def test_aborts_go_to_the_gateway_that_runs_each_request():
+    async with contextlib.AsyncExitStack() as stack:
+        engines, gateways, pool = await two_gateways_and_a_pool(stack)
+        streams = await start_streams(pool, 4)
+        by_gateway: dict[str, list[str]] = {}
+        for stream in streams:
+            by_gateway.setdefault(stream.gateway, []).append(stream.request_id)
+        assert len(by_gateway) == 2
+        acks = await pool.abort([s.request_id for s in streams])
+        assert sorted(sorted(a.aborted) for a in acks) == sorted(
+            sorted(ids) for ids in by_gateway.values()
+        )
+        assert all(not a.unknown for a in acks)
+        for stream in streams:
+            assert await stream_outcome(stream) is None
+        assert [len(e._live) for e in engines] == [0, 0]
+
+
+async def test_ties_rotate_over_the_gateways():
+    async with contextlib.AsyncExitStack() as stack:
+        engines, gateways, pool = await two_gateways_and_a_pool(stack)
+        used = []
+        for _ in range(6):
+            stream = pool.generate([3], SHORT)
+            async for _ in stream:
+                pass
+            used.append(stream.gateway)
+        assert set(used) == {g.addresses[0] for g in gateways}
+        assert used.count(used[0]) == 3
+
+
+async def test_an_abort_with_one_gateway_gone_carries_out_the_others():
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [FakeEngine(step_interval_s=0.01) for _ in range(2)]
+        a = await stack.enter_async_context(running_gateway(engines[0]))
+        inner = contextlib.AsyncExitStack()
+        b = await inner.enter_async_context(running_gateway(engines[1]))
+        pool = await stack.enter_async_context(
+            GatewayPool([a.addresses[0], b.addresses[0]], **FAST_HEARTBEAT)
+        )
+        streams = await start_streams(pool, 4)
+        await inner.aclose()  # b is gone; its client has not noticed yet
+        acks = await pool.abort([s.request_id for s in streams])
+        assert [sorted(x.aborted) for x in acks] == [
+            sorted(s.request_id for s in streams if s.gateway == a.addresses[0])
+        ]
+        assert len(engines[0]._live) == 0
+        for stream in streams:
+            await stream_outcome(stream)
+
+
+async def test_a_gateway_that_refuses_the_first_hello_is_retried_and_close_does_not_raise():
+    from gateway.sessions import GatewayLimits
+
+    full = GatewayLimits(max_clients=1)
+    async with running_gateway(FakeEngine(step_interval_s=0.01), full) as a:
+        squatter = AsyncClient(a.addresses[0])
+        await squatter.connect()
+        async with running_gateway(FakeEngine(step_interval_s=0.01)) as b:
+            pool = GatewayPool([a.addresses[0], b.addresses[0]], **FAST_HEARTBEAT)
+            await pool.connect()
+            try:
+                assert pool.connected == [b.addresses[0]]
+                await squatter.aclose()  # a has room after the squatter's session expires
+                async with asyncio.timeout(15):
+                    while len(pool.connected) < 2:
+                        await asyncio.sleep(0.05)
+                streams = await start_streams(pool, 4)
+                assert sorted(pool.in_flight().values()) == [2, 2]
+                await pool.abort()
+                for stream in streams:
+                    await stream_outcome(stream)
+            finally:
+                await pool.aclose()  # must not raise the first refusal

@@ -317,3 +317,28 @@ def test_a_lora_module_vllm_cannot_load_stops_the_start_naming_it(tmp_path):
     assert code == 2, err[-3000:]
     assert line.startswith(f"engine-gateway serve: error: --lora-module: bad={bad}: "), line
     assert "Error while deserializing header" in line and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.engine
+def test_with_several_gateways_a_busy_metrics_port_is_a_usage_error_before_engines_start():
+    """Each gateway serves metrics on port + index; a busy one exits 2 naming the flag, as
+    a single ``serve`` does (the supervisor exited 1, 'engine failed to start', which a
+    systemd unit restarted for ever), and no engine was started."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err, elapsed = run_cli(
+            "serve",
+            "--gateway-count",
+            "2",
+            "--bind",
+            f"ipc:///tmp/eg-metrics-{os.getpid()}.sock",
+            "--metrics-port",
+            str(port - 1),
+            "--metrics-host",
+            "127.0.0.1",
+        )
+    assert_one_line_error(code, err, "--metrics-port", f"127.0.0.1:{port} (gateway 1)")
+    assert elapsed < 60
+    assert "EngineCore" not in err

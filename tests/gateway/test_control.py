@@ -5,6 +5,7 @@ control operations; the shared real_gateway lets none."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -469,3 +470,50 @@ async def test_an_adapter_whose_folder_is_deleted_or_rewritten_after_loading_ser
     roots = glob.glob(os.path.join(tempfile.gettempdir(), "engine-gateway-lora-*-*"))
     live = [r for r in roots if os.path.exists(f"/proc/{copies_owner(r)}")]
     assert live and all(os.listdir(r) == [] for r in live), {r: os.listdir(r) for r in live}
+
+
+async def test_two_adapters_loaded_at_once_each_serve_their_own_weights(client, tmp_path):
+    """Two LoadLora sent together (they used to pick the same adapter id, and vLLM served
+    one adapter under both names), and a second load of a name at the same time: each name
+    gives offline vLLM's output with its own adapter; the duplicate is refused."""
+    from client import RequestOptions
+    from gateway.tiny_model import ensure_tiny_model
+    from tests.lora_adapter import make_tiny_lora
+    from tests.offline_reference import run_offline_reference
+
+    u = str(make_tiny_lora(tmp_path / "u", seed=5))
+    w = str(make_tiny_lora(tmp_path / "w", seed=6))
+    prompt = [21, 22, 23]
+    sampling = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+    offline = asyncio.ensure_future(
+        asyncio.to_thread(
+            run_offline_reference,
+            str(ensure_tiny_model()),
+            TEST_MAX_MODEL_LEN,
+            [
+                {"prompt": prompt, "sampling": sampling, "lora": ["u2", 1, u]},
+                {"prompt": prompt, "sampling": sampling, "lora": ["w2", 2, w]},
+            ],
+        )
+    )
+    results = await asyncio.gather(
+        client.load_lora("u2", u),
+        client.load_lora("w2", w),
+        client.load_lora("u2", w),
+        return_exceptions=True,
+    )
+    try:
+        assert [r.result for r in results[:2]] == ["u2", "w2"], results
+        assert isinstance(results[2], RequestFailed) and "already loaded" in str(results[2])
+        tuned = {
+            name: (
+                await client.complete(prompt, greedy(16), options=RequestOptions(lora_name=name))
+            ).token_ids
+            for name in ("u2", "w2")
+        }
+        want = [r["samples"][0]["token_ids"] for r in await offline]
+        assert [tuned["u2"], tuned["w2"]] == want and want[0] != want[1]
+    finally:
+        for name in ("u2", "w2"):
+            with contextlib.suppress(RequestFailed):
+                await client.unload_lora(name)

@@ -52,12 +52,16 @@ class GatewayThread:
     """A Gateway on a FakeEngine, served on its own thread and event loop."""
 
     def __init__(
-        self, limits: GatewayLimits = FUZZ_LIMITS, step_interval_s: float = 0.001, **kwargs
+        self,
+        limits: GatewayLimits = FUZZ_LIMITS,
+        step_interval_s: float = 0.001,
+        address: str | None = None,
+        **kwargs,
     ):
         self.engine_kwargs = dict(step_interval_s=step_interval_s)
         self.limits = limits
         self.kwargs = kwargs
-        self.address = ipc_address()
+        self.address = address or ipc_address()
         self.loop = asyncio.new_event_loop()
         self.gateway: Gateway | None = None
         self.exit_code: int | None = None
@@ -75,6 +79,7 @@ class GatewayThread:
             self.gateway = Gateway(engine, self.address, self.limits, **self.kwargs)
             serving = asyncio.ensure_future(self.gateway.serve())
             await self.gateway.ready.wait()
+            self.address = self.gateway.addresses[0]  # tcp port 0: the one bound
             self._ready.set()
             self.exit_code = await serving
 
@@ -455,3 +460,41 @@ def test_control_key_allow_list_admits_only_the_named_curve_client(curve_keys):
             # The stranger's session lasts until its heartbeat timeout: its key's alone.
             assert allowed.stats().gateway["connected_clients"] == 2
         assert gw.engine.calls == ["pause:keep", "resume"]
+
+
+def test_curve_sessions_belong_to_their_key_not_to_a_routing_id(curve_keys):
+    """Another allowed key that uses a live client's routing id can neither take its
+    connection (ZeroMQ ignores the second connection) nor, once the first is gone, use or
+    end its session (UNAUTHORIZED, nothing changes); after the session expires it may."""
+    from client import RequestFailed
+
+    root, config = curve_keys
+    (root / "allowed" / "stranger.key").write_bytes(
+        (root / "stranger" / "stranger.key").read_bytes()
+    )
+    server = root / "server" / "server.key"
+    owner_keys = load_client_keys(server, root / "client" / "client.key_secret")
+    stranger_keys = load_client_keys(server, root / "stranger" / "stranger.key_secret")
+    same = dict(identity=b"shared-id", heartbeat_interval_s=0.5)
+    with GatewayThread(curve=config) as gw:
+        owner = Client(gw.address, curve_keys=owner_keys, **same)
+        outputs = owner.generate([5], SamplingParams(max_tokens=10**6, ignore_eos=True))
+        next(outputs)
+        with pytest.raises(GatewayUnavailable):  # its Hello never reaches the gateway
+            Client(gw.address, curve_keys=stranger_keys, connect_timeout_s=1.0, **same)
+        for _ in range(20):  # the owner's stream goes on, to the owner
+            assert next(outputs).new_token_ids
+        assert gw.call(lambda: gw.gateway.table.live_requests) == 1
+        outputs.close()  # aborted; then the owner's process dies with its session open
+        time.sleep(0.2)
+        owner._stop_loop()
+        owner._async._sock.close(linger=0)
+        time.sleep(0.3)
+        with pytest.raises(RequestFailed) as info:
+            Client(gw.address, curve_keys=stranger_keys, connect_timeout_s=5.0, **same)
+        assert info.value.code is ErrorCode.UNAUTHORIZED
+        assert "opened with another CURVE key" in info.value.message
+        assert gw.call(lambda: gw.gateway.table.connected_clients) == 1  # not ended
+        time.sleep(2.0)  # the owner's session expires (1.5 s)
+        with Client(gw.address, curve_keys=stranger_keys, **same) as stranger:
+            assert stranger.complete([5], SamplingParams(max_tokens=3)).output_tokens == 3

@@ -13,6 +13,7 @@ from codec import (
     HealthReply,
     Hello,
     HelloAck,
+    Outputs,
     Overloaded,
     Ping,
     Pong,
@@ -486,3 +487,63 @@ def test_control_calls_with_bad_fields_are_refused_by_name_and_reach_no_engine()
     for call in [SetWeightVersion(5, "v" * 256), ReloadWeights(6, "/ckpt"), Pause(7, "keep")]:
         effects = h.table.on_control(A, call, h.now, authorized=True)
         assert effects.replies == [] and effects.control == [(A, call)]
+
+
+def test_a_new_version_whose_tokens_were_all_held_back_is_named_when_they_are_sent():
+    """Every token of the step that changed the version is held back (a stop-sequence
+    prefix): the output that releases them names the new version, not "unchanged"."""
+    h = TableHarness()
+    hello(h, A)
+    sampling = SamplingParams(max_tokens=50, stop_token_sequences=[[7, 8, 9]])
+    h.send(A, Generate("r", [5], True, sampling))
+    (eid,) = engine_ids(h)
+    ((_, first),) = h.table.on_step([FakeOutput(eid, [1])], 0.0, "a").replies
+    assert first.outputs[0].weight_version == "a"
+    assert h.table.on_step([FakeOutput(eid, [7])], 0.0, "b").replies == []  # all held back
+    ((_, frame),) = h.table.on_step([FakeOutput(eid, [3])], 0.0, "b").replies
+    (out,) = frame.outputs
+    assert out.new_token_ids == [7, 3] and out.weight_version == "b"
+    ((_, frame),) = h.table.on_step([FakeOutput(eid, [4])], 0.0, "b").replies
+    assert frame.outputs[0].weight_version is None  # unchanged since
+
+
+def test_abort_terminals_and_non_streaming_outputs_name_their_version():
+    h = TableHarness()
+    hello(h, A)
+    sampling = SamplingParams(max_tokens=50, stop_token_sequences=[[7, 8, 9]])
+    h.send(A, Generate("s", [5], True, sampling))
+    h.send(A, Generate("n", [6], False, SamplingParams(max_tokens=50)))
+    streamed, whole = engine_ids(h)
+    h.table.on_step([FakeOutput(streamed, [1]), FakeOutput(whole, [1])], 0.0, "a")
+    h.table.on_step([FakeOutput(streamed, [7]), FakeOutput(whole, [2])], 0.0, "b")
+    h.take(A)
+    h.now = 2.0
+    h.send(A, Abort(["s", "n"], 4))
+    by_id = {o.request_id: o for m in h.take(A) if isinstance(m, Outputs) for o in m.outputs}
+    assert by_id["s"].new_token_ids == [7] and by_id["s"].weight_version == "b"
+    assert by_id["n"].new_token_ids == [1, 2] and by_id["n"].weight_version == "b"
+    assert [s.version for s in by_id["n"].finished.weight_versions] == ["a", "b"]
+
+
+def test_terminals_the_gateway_makes_say_when_it_made_them():
+    """finished_s of a terminal made by a second Hello, or by the drain deadline, is when
+    the gateway ended the request, not its last token's time."""
+    h = TableHarness()
+    hello(h, A)
+    hello(h, B)
+    h.send(A, Generate("a", [5], True, SamplingParams(max_tokens=50)))
+    h.send(B, Generate("b", [5], True, SamplingParams(max_tokens=50)))
+    ea, eb = engine_ids(h)
+    h.now = 1.0
+    h.table.on_step([FakeOutput(ea, [1]), FakeOutput(eb, [1])], h.now)
+    h.take(A)
+    h.take(B)
+    h.now = 4.0
+    h.send(A, Hello(1, "t", 1.0))  # a second Hello ends the old session first
+    (ended,) = [o for m in h.take(A) if isinstance(m, Outputs) for o in m.outputs]
+    assert ended.finished.finish_reason is FinishReason.ABORT
+    assert ended.finished.timings.finished_s == 4.0
+    h.now = 6.5
+    h.apply(h.table.abort_all(h.now))
+    (drained,) = [o for m in h.take(B) if isinstance(m, Outputs) for o in m.outputs]
+    assert drained.finished.timings.finished_s == 6.5

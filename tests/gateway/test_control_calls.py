@@ -1,0 +1,201 @@
+"""Every control call ends, and in order (issue 37 items 2, 3, 8, 9, 10 and the planted
+bugs the suite let through): calls that change the engine run one at a time; a call the
+decoder refuses is answered with its call_id; a call under way when the engine dies gets
+ENGINE_DEAD; ``paused`` follows what the engine did; calls without a session fail
+retryably. A real gateway over ipc:// on a fake engine; the real engine's concurrent
+LoadLora is in test_control.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from client import AsyncClient, FinishReason, RequestFailed, SamplingParams, SessionLost
+from codec import VERSION_FRAME, ErrorCode, WakeUp, decode_client
+from codec.errors import ProtocolError
+from gateway.auth import ControlPolicy
+from gateway.fake_engine import FakeEngine
+from tests.conftest import running_gateway
+from tests.helpers import stream_outcome
+
+LONG = SamplingParams(max_tokens=10**7, ignore_eos=True)
+OPEN = ControlPolicy(open=True)
+
+
+class SlowControlEngine(FakeEngine):
+    """A fake engine whose LoadLora takes a while, recording when each began and ended."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.loras: dict[str, int] = {}
+        self.spans: list[tuple[str, str]] = []
+
+    async def load_lora(self, name: str, path: str) -> None:
+        self.spans.append(("start", name))
+        if name in self.loras:
+            from gateway.errors import RequestRejected
+
+            raise RequestRejected(f"LoRA adapter {name!r} is already loaded; unload it first")
+        lora_id = max(self.loras.values(), default=0) + 1  # picked before the wait, as vLLM
+        await asyncio.sleep(0.05)
+        self.loras[name] = lora_id
+        self.spans.append(("end", name))
+
+
+async def test_calls_that_change_the_engine_run_one_at_a_time_in_arrival_order():
+    engine = SlowControlEngine()
+    async with (
+        running_gateway(engine, control=OPEN) as gw,
+        AsyncClient(gw.addresses[0]) as a,
+        AsyncClient(gw.addresses[0]) as b,
+    ):
+        results = await asyncio.gather(
+            a.load_lora("u2", "/u"),
+            b.load_lora("w2", "/w"),
+            a.load_lora("u2", "/u-again"),
+            return_exceptions=True,
+        )
+        assert [r.result for r in results[:2]] == ["u2", "w2"]
+        assert isinstance(results[2], RequestFailed) and "already loaded" in str(results[2])
+        assert engine.loras == {"u2": 1, "w2": 2}  # distinct ids
+        assert engine.spans == [
+            ("start", "u2"),
+            ("end", "u2"),
+            ("start", "w2"),
+            ("end", "w2"),
+            ("start", "u2"),
+        ]
+
+
+async def test_a_call_the_decoder_refuses_fails_with_its_call_id_not_for_ever():
+    """``wake_up("weights")`` (tags must be a list): INVALID_MESSAGE reaches the caller."""
+    async with running_gateway(FakeEngine(), control=OPEN) as gw, AsyncClient(
+        gw.addresses[0]
+    ) as client:
+        async with asyncio.timeout(5):
+            with pytest.raises(RequestFailed) as info:
+                await client.wake_up("weights")  # type: ignore[arg-type]
+        assert info.value.code is ErrorCode.INVALID_MESSAGE
+        assert "WakeUp.tags" in info.value.message
+        assert (await client.health()).state == "serving"  # the session goes on
+
+
+async def test_an_abort_over_the_frame_limit_is_refused_by_the_client_before_sending():
+    from gateway.sessions import GatewayLimits
+
+    limits = GatewayLimits(max_frame_bytes=4096, max_abort_ids=4096)
+    async with running_gateway(FakeEngine(), limits) as gw, AsyncClient(gw.addresses[0]) as client:
+        ids = [f"request-{i:04d}-" + "x" * 40 for i in range(200)]  # ~10 KB, 200 < 4096 ids
+        async with asyncio.timeout(5):
+            with pytest.raises(RequestFailed) as info:
+                await client.abort(ids)
+        assert info.value.code is ErrorCode.FRAME_TOO_LARGE and "not sent" in info.value.message
+        assert (await client.abort(ids[:3])).unknown == ids[:3]
+
+
+def test_the_gateway_names_the_call_of_a_frame_it_cannot_decode():
+    """FRAME_TOO_LARGE and INVALID_MESSAGE carry the call_id read from the frame's first
+    bytes (an Abort's ids are walked over), as a Generate's request_id is."""
+    big_abort = msgspec.msgpack.encode([3, ["r" * 60] * 200, 77])
+    with pytest.raises(ProtocolError) as info:
+        decode_client([VERSION_FRAME, big_abort], max_frame_bytes=4096)
+    assert (info.value.code, info.value.call_id) == (ErrorCode.FRAME_TOO_LARGE, 77)
+    bad_tags = msgspec.msgpack.encode([WakeUp.__struct_config__.tag, 12, "weights"])
+    with pytest.raises(ProtocolError) as info:
+        decode_client([VERSION_FRAME, bad_tags])
+    assert (info.value.code, info.value.call_id) == (ErrorCode.INVALID_MESSAGE, 12)
+    big_generate = msgspec.msgpack.encode([2, "g1", [7] * 5000])
+    with pytest.raises(ProtocolError) as info:
+        decode_client([VERSION_FRAME, big_generate], max_frame_bytes=4096)
+    assert (info.value.request_id, info.value.call_id) == ("g1", None)
+
+
+async def test_a_call_under_way_when_the_engine_dies_gets_engine_dead_with_its_call_id():
+    engine = FakeEngine(step_interval_s=0.01)
+    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
+        gw.addresses[0]
+    ) as client:
+        stream = client.generate([5], LONG)
+        await anext(stream)
+        waiting = asyncio.ensure_future(client.pause("wait"))  # waits for the stream
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        engine.kill()
+        async with asyncio.timeout(5):
+            with pytest.raises(RequestFailed) as info:
+                await waiting
+        assert info.value.code is ErrorCode.ENGINE_DEAD
+        assert isinstance(await stream_outcome(stream), RequestFailed)
+
+
+async def test_paused_is_reported_once_the_engine_paused_and_not_after_a_failed_pause():
+    class FailingPause(FakeEngine):
+        fail = True
+
+        async def pause(self, mode: str, clear_cache: bool) -> None:
+            if self.fail:
+                raise RuntimeError("the engine refused to pause")
+            await super().pause(mode, clear_cache)
+
+    engine = FailingPause()
+    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
+        gw.addresses[0]
+    ) as client:
+        with pytest.raises(RequestFailed) as info:
+            await client.pause("keep")
+        assert info.value.code is ErrorCode.INTERNAL
+        assert not (await client.health()).paused
+        engine.fail = False
+        done = await client.pause("keep")
+        assert (done.operation, done.result) == ("pause", "keep")  # the reply names the mode
+        assert (await client.health()).paused
+        assert (await client.resume()).operation == "resume"
+        assert not (await client.health()).paused
+
+
+async def test_pause_abort_ends_every_live_request_in_the_table_with_abort():
+    """The table ends them itself (the fake engine's pause sends no outputs for them, as
+    vLLM's may not), each with one ABORT terminal; the reply names the mode."""
+    engine = FakeEngine(step_interval_s=0.01)
+    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
+        gw.addresses[0]
+    ) as client:
+        streams = [client.generate([5 + i], LONG) for i in range(3)]
+        for stream in streams:
+            await anext(stream)
+        done = await client.pause("abort")
+        assert done.result == "abort"
+        for stream in streams:
+            last = None
+            async for out in stream:
+                last = out
+            assert last.finished.finish_reason is FinishReason.ABORT
+        assert gw.table.live_requests == 0
+        await client.resume()
+
+
+async def test_calls_without_a_session_fail_retryably_and_pending_calls_fail_on_session_loss():
+    engine = FakeEngine(step_interval_s=0.01)
+    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
+        gw.addresses[0], heartbeat_interval_s=5.0
+    ) as client:
+        for call in (lambda: client.pause("keep"), lambda: client.abort(["x"])):
+            # The gateway forgets the session (as after an expiry the client did not see).
+            gw.table._clients.clear()
+            with pytest.raises(SessionLost) as info:
+                await call()
+            assert info.value.retryable
+            async with asyncio.timeout(5):
+                while not client.connected:
+                    await asyncio.sleep(0.01)
+        # A call pending when the session is lost fails with SessionLost.
+        stream = client.generate([5], LONG)
+        await anext(stream)
+        waiting = asyncio.ensure_future(client.pause("wait"))
+        await asyncio.sleep(0.1)
+        client._on_session_lost("test: the gateway went away")
+        with pytest.raises(SessionLost):
+            await waiting
+        engine.paused = False
