@@ -71,9 +71,10 @@ async def test_calls_that_change_the_engine_run_one_at_a_time_in_arrival_order()
 
 async def test_a_call_the_decoder_refuses_fails_with_its_call_id_not_for_ever():
     """``wake_up("weights")`` (tags must be a list): INVALID_MESSAGE reaches the caller."""
-    async with running_gateway(FakeEngine(), control=OPEN) as gw, AsyncClient(
-        gw.addresses[0]
-    ) as client:
+    async with (
+        running_gateway(FakeEngine(), control=OPEN) as gw,
+        AsyncClient(gw.addresses[0]) as client,
+    ):
         async with asyncio.timeout(5):
             with pytest.raises(RequestFailed) as info:
                 await client.wake_up("weights")  # type: ignore[arg-type]
@@ -114,9 +115,7 @@ def test_the_gateway_names_the_call_of_a_frame_it_cannot_decode():
 
 async def test_a_call_under_way_when_the_engine_dies_gets_engine_dead_with_its_call_id():
     engine = FakeEngine(step_interval_s=0.01)
-    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
-        gw.addresses[0]
-    ) as client:
+    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(gw.addresses[0]) as client:
         stream = client.generate([5], LONG)
         await anext(stream)
         waiting = asyncio.ensure_future(client.pause("wait"))  # waits for the stream
@@ -140,9 +139,7 @@ async def test_paused_is_reported_once_the_engine_paused_and_not_after_a_failed_
             await super().pause(mode, clear_cache)
 
     engine = FailingPause()
-    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
-        gw.addresses[0]
-    ) as client:
+    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(gw.addresses[0]) as client:
         with pytest.raises(RequestFailed) as info:
             await client.pause("keep")
         assert info.value.code is ErrorCode.INTERNAL
@@ -159,9 +156,7 @@ async def test_pause_abort_ends_every_live_request_in_the_table_with_abort():
     """The table ends them itself (the fake engine's pause sends no outputs for them, as
     vLLM's may not), each with one ABORT terminal; the reply names the mode."""
     engine = FakeEngine(step_interval_s=0.01)
-    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
-        gw.addresses[0]
-    ) as client:
+    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(gw.addresses[0]) as client:
         streams = [client.generate([5 + i], LONG) for i in range(3)]
         for stream in streams:
             await anext(stream)
@@ -178,9 +173,10 @@ async def test_pause_abort_ends_every_live_request_in_the_table_with_abort():
 
 async def test_calls_without_a_session_fail_retryably_and_pending_calls_fail_on_session_loss():
     engine = FakeEngine(step_interval_s=0.01)
-    async with running_gateway(engine, control=OPEN) as gw, AsyncClient(
-        gw.addresses[0], heartbeat_interval_s=5.0
-    ) as client:
+    async with (
+        running_gateway(engine, control=OPEN) as gw,
+        AsyncClient(gw.addresses[0], heartbeat_interval_s=5.0) as client,
+    ):
         for call in (lambda: client.pause("keep"), lambda: client.abort(["x"])):
             # The gateway forgets the session (as after an expiry the client did not see).
             gw.table._clients.clear()
