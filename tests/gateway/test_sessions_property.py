@@ -1,11 +1,14 @@
 """The session table against a reference model, over long random runs (no I/O).
 
-A run drives a SessionTable through Hellos, Generates (n ≤ 3, streaming or not),
-engine steps of several tokens (including outputs that race an abort), aborts,
-expiry, disconnects, slow consumers, submit failures, drain and engine death,
-under tight admission limits. After every operation it checks what each client
-received against the model: exact tokens, finish reasons and counts, AbortAck
-contents, refusals, and which engine requests the table told the engine to stop.
+A run drives a SessionTable through Hellos, Generates (n ≤ 3, streaming or not, some
+with a stop sequence or a deadline), engine steps of several tokens under changing
+weight versions (including outputs that race an abort), aborts, control calls (pause
+with abort, keep, resume; allowed or not), expiry, deadlines, disconnects, slow
+consumers, submit failures, drain and engine death, under tight admission limits. After
+every operation it checks what each client received against the model: exact tokens
+(cut at a stop sequence, never taken back), finish and stop reasons and counts, weight
+versions on outputs and their spans, AbortAck contents, refusals, and which engine
+requests the table told the engine to stop.
 
 ``test_the_property_catches_planted_bugs`` plants bugs in sessions.py (textual
 mutants) and requires this property to fail on each one.
@@ -33,6 +36,9 @@ from codec import (
     HelloAck,
     Outputs,
     Overloaded,
+    Pause,
+    RequestOptions,
+    Resume,
     SamplingParams,
 )
 from gateway import sessions as sessions_module
@@ -45,16 +51,22 @@ LIMITS = sessions_module.GatewayLimits(
 )
 CLIENTS = (b"A", b"B", b"C")
 HEARTBEAT_S = 1.0  # every Hello asks for this; the timeout is 3x
+STOP = [7, 8]  # the stop sequence of requests that have one (step tokens are 0..52)
+DEADLINE_S = 1.5  # of requests that have one
 
 
 @dataclass
 class _MSample:
     engine_id: str
     index: int
-    produced: list[int] = field(default_factory=list)  # tokens the table accepted
+    produced: list[int] = field(default_factory=list)  # what the client must get, in all
+    raw: list[int] = field(default_factory=list)  # what the engine produced for it
+    versions: list[str | None] = field(default_factory=list)  # per raw token
     engine_live: bool = True  # the engine may still emit outputs for it
     received: list[int] = field(default_factory=list)
+    told_version: str | None = None  # the version the client was last told
     terminal: bool = False
+    matched: bool = False  # ended by the stop sequence
 
 
 @dataclass
@@ -63,6 +75,8 @@ class _MRequest:
     request_id: str
     stream: bool
     samples: list[_MSample]
+    stop: bool = False
+    deadline_at: float | None = None
 
     @property
     def live(self) -> bool:
@@ -113,11 +127,18 @@ class Run:
                 sample = request.samples[out.index]
                 assert not sample.terminal, f"output after the terminal: {out}"
                 sample.received.extend(out.new_token_ids)
+                # Nothing sent is ever taken back (a stop sequence's prefix is held back).
+                assert sample.received == sample.raw[: len(sample.received)], (sample, out)
+                self.check_version_told(sample, out)
                 if out.finished is not None:
                     sample.terminal = True
                     assert sample.received == sample.produced, (sample, out)
                     assert out.finished.output_tokens == len(sample.produced), out
                     assert out.finished.prompt_tokens == 1
+                    assert out.finished.weight_versions == self.spans(sample), (sample, out)
+                    if sample.matched:
+                        assert out.finished.finish_reason is FinishReason.STOP, out
+                        assert out.finished.stop_reason == STOP, out
                     if not request.stream:
                         assert out.new_token_ids == sample.produced, out
                 elif not request.stream:
@@ -134,6 +155,36 @@ class Run:
 
     def end_expected(self, requests: list[_MRequest]) -> list[_MSample]:
         return [s for r in requests for s in r.samples if not s.terminal]
+
+    @staticmethod
+    def check_version_told(sample: _MSample, out) -> None:
+        """An output with tokens names (or leaves unchanged) the version of its last token."""
+        if not out.new_token_ids:
+            assert out.weight_version is None, out
+            return
+        told = out.weight_version if out.weight_version is not None else sample.told_version
+        if out.weight_version is not None:
+            assert out.weight_version != sample.told_version or out.finished, out
+        last = sample.versions[len(sample.received) - 1]
+        assert told == last, (sample, out, last)
+        sample.told_version = told
+
+    @staticmethod
+    def spans(sample: _MSample) -> list | None:
+        """Finished.weight_versions: runs of each version over the tokens delivered."""
+        from codec import WeightVersionSpan
+
+        runs: list[list] = []
+        for position, version in enumerate(sample.versions[: len(sample.produced)]):
+            if version is None:
+                continue
+            if runs and runs[-1][0] == version:
+                runs[-1][2] += 1
+            else:
+                runs.append([version, position, 1])
+        if not any(v is not None for v in sample.versions):
+            return None
+        return [WeightVersionSpan(v, first, count) for v, first, count in runs]
 
     # ------------------------------------------------------------ operations
 
@@ -167,9 +218,21 @@ class Run:
             key = (request.client, request.request_id, sample.index)
             assert finished.get(key) is reason, (key, finished.get(key), reason)
 
-    def generate(self, client: bytes, rid: int, stream: bool, n: int) -> None:
+    def generate(
+        self,
+        client: bytes,
+        rid: int,
+        stream: bool,
+        n: int,
+        stop: bool = False,
+        deadline: bool = False,
+    ) -> None:
         request_id = f"r{rid}"
-        msg = Generate(request_id, [5], stream, SamplingParams(n=n, max_tokens=10**6))
+        sampling = SamplingParams(
+            n=n, max_tokens=10**6, stop_token_sequences=[STOP] if stop else None
+        )
+        options = RequestOptions(deadline_s=DEADLINE_S) if deadline else None
+        msg = Generate(request_id, [5], stream, sampling, options)
         before = self.table.live_requests
         if client in self.sessions:
             self.sessions[client] = self.now
@@ -187,7 +250,8 @@ class Run:
             return
         assert len(effects.submit) == n and not effects.replies, effects
         samples = [_MSample(p.request_id, i) for i, p in enumerate(effects.submit)]
-        request = _MRequest(client, request_id, stream, samples)
+        deadline_at = self.now + DEADLINE_S if deadline else None
+        request = _MRequest(client, request_id, stream, samples, stop, deadline_at)
         self.requests[(client, request_id)] = request
         self.accepted.append(request)
         for sample in samples:
@@ -213,7 +277,7 @@ class Run:
             return "max_queued_requests"
         return None
 
-    def step(self, picks: list[tuple[int, int, bool]]) -> None:
+    def step(self, picks: list[tuple[int, int, bool]], version: str | None = None) -> None:
         engine_live = [s for _, s in self.by_engine_id.values() if s.engine_live]
         # Outputs that race an abort: the engine was told, but emits once more.
         racing = [s for _, s in self.by_engine_id.values() if not s.engine_live]
@@ -221,6 +285,7 @@ class Run:
         if not pool:
             return
         outputs, ended = [], []
+        stopped: set[str] = set()
         chosen: set[str] = set()
         for pick, count, finish in picks:
             sample = pool[pick % len(pool)]
@@ -231,12 +296,25 @@ class Run:
             outputs.append(FakeOutput(sample.engine_id, tokens, 1 if finish else None))
             if sample.terminal:
                 continue  # the table must drop it
-            sample.produced.extend(tokens)
-            if finish:
+            current = version if version is not None else (sample.versions or [None])[-1]
+            sample.raw.extend(tokens)
+            sample.versions.extend([current] * len(tokens))
+            sample.produced = list(sample.raw)
+            request = self.requests_of(sample)
+            match = _first_match(sample.raw) if request.stop else None
+            if match is not None:  # ends STOP, cut before the sequence; the engine stops
+                sample.produced = sample.raw[:match]
+                sample.matched = True
+                ended.append(sample)
+                if not finish:
+                    stopped.add(sample.engine_id)
+                sample.engine_live = False
+            elif finish:
                 sample.engine_live = False
                 ended.append(sample)
-        step_effects = self.table.on_step(outputs, self.now)
-        assert step_effects.abort == []  # no stop sequences in this model
+        step_effects = self.table.on_step(outputs, self.now, version)
+        assert set(step_effects.abort) == stopped, (step_effects.abort, stopped)
+        self.told_to_abort.update(step_effects.abort)
         replies = step_effects.replies
         per_client = [client for client, _ in replies]
         assert len(per_client) == len(set(per_client)), "two Outputs frames for one client"
@@ -272,8 +350,15 @@ class Run:
         self.now += dt
         expired = [c for c, seen in self.sessions.items() if self.now - seen > HEARTBEAT_S * 3]
         ended = self.end_expected([r for c in expired for r in self.live(c)])
+        late = [
+            r
+            for r in self.live()
+            if r.client not in expired and r.deadline_at is not None and self.now >= r.deadline_at
+        ]
+        timed = self.end_expected(late)
         effects = self.table.expire(self.now)
-        self.apply(effects, ended)
+        self.apply(effects, ended + timed)
+        self.check_abort_terminals(timed, FinishReason.TIMED_OUT, effects)
         errors = {(c, m.request_id): m.code for c, m in effects.replies if isinstance(m, Error)}
         for sample in ended:  # one SESSION_EXPIRED Error per request: the client must retry
             request = self.requests_of(sample)
@@ -339,6 +424,30 @@ class Run:
             )
         self.engine_dead = True
 
+    def control(self, client: bytes, kind: str, authorized: bool) -> None:
+        """Pause (abort or keep) or Resume, from an allowed client or not."""
+        call_id = 11
+        msg = {
+            "pause_abort": Pause(call_id, "abort"),
+            "pause_keep": Pause(call_id, "keep"),
+            "resume": Resume(call_id),
+        }[kind]
+        if client in self.sessions:
+            self.sessions[client] = self.now
+        effects = self.table.on_control(client, msg, self.now, authorized)
+        if not authorized or client not in self.sessions:
+            ((who, reply),) = effects.replies
+            code = ErrorCode.UNAUTHORIZED if not authorized else ErrorCode.HANDSHAKE_REQUIRED
+            assert isinstance(reply, Error) and reply.code is code and reply.call_id == call_id
+            assert not effects.control and not effects.abort
+            return
+        assert effects.control == [(client, msg)]  # the server makes the engine call
+        ended = self.end_expected(self.live()) if kind == "pause_abort" else []
+        self.apply(effects, ended)
+        self.check_abort_terminals(ended, FinishReason.ABORT, effects)
+        if kind != "pause_abort":
+            assert not effects.replies and not effects.abort
+
     def drain(self) -> None:
         self.table.start_drain()
         self.draining = True
@@ -356,16 +465,35 @@ class Run:
             assert not request.live
 
 
+def _first_match(tokens: list[int]) -> int | None:
+    """Where the stop sequence first occurs in ``tokens`` (its start), or None."""
+    for start in range(len(tokens) - len(STOP) + 1):
+        if tokens[start : start + len(STOP)] == STOP:
+            return start
+    return None
+
+
 clients = st.sampled_from(CLIENTS)
 step_picks = st.tuples(
     st.integers(0, 50), st.integers(1, 3), st.integers(0, 4).map(lambda x: x == 0)
 )
+# Mostly one version for a while, sometimes a change, sometimes none reported.
+versions = st.sampled_from([None, "a", "a", "a", "b"])
 # Ordinary traffic: most of a run.
 common = st.one_of(
     st.tuples(st.just("generate"), clients, st.integers(0, 5), st.booleans(), st.integers(1, 3)),
     st.tuples(st.just("generate"), clients, st.integers(0, 5), st.booleans(), st.just(1)),
-    st.tuples(st.just("step"), st.lists(step_picks, min_size=1, max_size=6)),
-    st.tuples(st.just("step"), st.lists(step_picks, min_size=1, max_size=6)),
+    st.tuples(
+        st.just("generate"),
+        clients,
+        st.integers(0, 5),
+        st.booleans(),
+        st.integers(1, 2),
+        st.booleans(),
+        st.booleans(),
+    ),
+    st.tuples(st.just("step"), st.lists(step_picks, min_size=1, max_size=6), versions),
+    st.tuples(st.just("step"), st.lists(step_picks, min_size=1, max_size=6), versions),
     st.tuples(st.just("abort"), clients, st.none() | st.lists(st.integers(0, 7), max_size=3)),
     st.tuples(st.just("tick"), st.sampled_from([0.2, 0.5, 1.0])),
 )
@@ -379,6 +507,12 @@ rare = st.one_of(
     st.tuples(st.just("submit_failed"), st.integers(0, 20)),
     st.just(("kill_engine",)),
     st.just(("drain",)),
+    st.tuples(
+        st.just("control"),
+        clients,
+        st.sampled_from(["pause_abort", "pause_keep", "resume"]),
+        st.booleans(),
+    ),
 )
 
 
@@ -431,6 +565,26 @@ MUTANTS = {
     "expiry off": (
         "            if now - client.last_seen > client.heartbeat_timeout_s:",
         "            if False:",
+    ),
+    "stop sequence not cut": (
+        "                cut_to = check.kept\n",
+        "                cut_to = None\n",
+    ),
+    "pause(abort) ends nothing": (
+        'if isinstance(msg, Pause) and msg.mode == "abort":',
+        "if False:",
+    ),
+    "a held-back version never told": (
+        "    sample.sent_version = sample.version\n    return sample.version",
+        "    return None",
+    ),
+    "deadlines off": (
+        "                if (request.deadline_at is not None and now >= request.deadline_at)",
+        "                if False",
+    ),
+    "spans from the wrong token": (
+        "                produced = sample.output_tokens + len(sample.held_ids)",
+        "                produced = sample.output_tokens",
     ),
 }
 
