@@ -165,3 +165,33 @@ async def ending(stream) -> FinishReason | RequestFailed | None:
     except RequestFailed as exc:
         return exc
     return reason
+
+
+async def test_a_gateway_that_exits_3_takes_the_group_with_it(gateway_process, tmp_path):
+    """One gateway finds the engines dead (here: told so directly, SIGUSR1) and exits 3:
+    the supervisor fans that out, so the other gateway ends its requests with ENGINE_DEAD
+    too and every process exits 3, rather than serving on beside engines deemed dead."""
+    supervisor = gateway_process(*long_context_args(tmp_path), "--gateway-count", "2")
+    base = supervisor.address.removesuffix(".sock")
+    addresses = [f"{base}-0.sock", f"{base}-1.sock"]
+    async with GatewayPool(
+        addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=10
+    ) as pool:
+        async with asyncio.timeout(60):
+            while len(pool.connected) < 2:
+                await asyncio.sleep(0.05)
+        streams = [await started(pool, [3 + i]) for i in range(4)]
+        assert {s.gateway for s in streams} == set(addresses)
+        family = [p.pid for p in supervisor.descendants()]
+        pids = gateway_pids(supervisor.output())
+        try:
+            os.kill(pids[1], signal.SIGUSR1)
+            for stream in streams:
+                error = await stream_outcome(stream)
+                assert isinstance(error, RequestFailed), error
+                assert error.code is ErrorCode.ENGINE_DEAD
+            code = await asyncio.to_thread(supervisor.proc.wait, 60)
+            assert code == EXIT_ENGINE_DEAD, supervisor.output()[-3000:]
+            await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
+        finally:
+            kill_all(family)
