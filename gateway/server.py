@@ -53,8 +53,11 @@ _CURVE_HEARTBEAT_MS = 1000  # ZMTP heartbeats on CURVE connections (see Listener
 _PAUSE_S = 0.25  # a housekeeping tick this late means the process itself did not run
 _PAUSE_LOGGED_S = 1.0
 # zmq drops (and disconnects) peers whose messages exceed this; the protocol
-# limit (max_frame_bytes) is checked ourselves, below this, to answer an Error.
+# limit (max_frame_bytes) is checked ourselves, below this, to answer an Error naming the
+# request or call. At least 32 MiB: a default limit that follows a small model's length
+# (64 KiB and up) must still answer a vocabulary-sized logit_bias with FRAME_TOO_LARGE.
 _HARD_MESSAGE_FACTOR = 4
+_HARD_MESSAGE_FLOOR = 32 * 1024 * 1024
 _YIELD_EVERY = 32  # inbound frames handled before the receive loop yields
 _YIELD_AFTER_S = 0.002  # ...or this much time holding the event loop, whichever first
 # While a slow consumer is owed frames, replies to what it sends meanwhile (pongs,
@@ -119,7 +122,8 @@ class Listener:
                 sock.setsockopt(zmq.HEARTBEAT_IVL, _CURVE_HEARTBEAT_MS)
                 sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * _CURVE_HEARTBEAT_MS)
             frame_limit = limits.max_frame_bytes or DEFAULT_MAX_FRAME_BYTES
-            sock.setsockopt(zmq.MAXMSGSIZE, frame_limit * _HARD_MESSAGE_FACTOR)
+            hard_limit = max(frame_limit * _HARD_MESSAGE_FACTOR, _HARD_MESSAGE_FLOOR)
+            sock.setsockopt(zmq.MAXMSGSIZE, hard_limit)
             sock.setsockopt(zmq.SNDHWM, limits.client_send_hwm)
             sock.setsockopt(zmq.LINGER, 2000)
             if curve is not None:

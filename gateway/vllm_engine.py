@@ -753,7 +753,9 @@ class EngineGroup:
                     return
                 exited = [by_sentinel[s] for s in ready] or exiting(by_sentinel.values())
             if exited and not self._stopped:
-                on_death(describe_exit(exited[0]))
+                name = describe_exit(exited[0])
+                worker = death_report(p.pid for p in by_sentinel.values())
+                on_death(name if worker is None else f"{name}, after its worker {worker}")
 
         threading.Thread(target=monitor, name="engine-group-monitor", daemon=True).start()
 

@@ -195,3 +195,30 @@ async def test_calls_without_a_session_fail_retryably_and_pending_calls_fail_on_
         with pytest.raises(SessionLost):
             await waiting
         engine.paused = False
+
+
+def test_a_frame_far_over_the_model_s_default_limit_is_answered_by_name():
+    """The default limit follows the model (5 bytes a token + 64 KiB: 86 KB here); a
+    Generate with a vocabulary-sized logit_bias of 1 MB, far over it, still gets
+    FRAME_TOO_LARGE naming it (ZeroMQ's own cut, which answers nothing and disconnects,
+    lies at 32 MiB at least), and an Abort that large names its call."""
+    from codec import Error
+    from gateway.sessions import GatewayLimits, frame_limit_for
+    from tests.gateway.test_hardening import GatewayThread, drain_until_pong, raw_session
+
+    with GatewayThread(GatewayLimits()) as gw:
+        limit = frame_limit_for(4096)
+        assert gw.call(lambda: gw.gateway.table.wire_limits.max_frame_bytes) == limit
+        sock = raw_session(gw.address, b"big")
+        bias = {i: 1.0 for i in range(70_000)}
+        generate = msgspec.msgpack.encode([2, "huge", [5], True, {"logit_bias": bias}])
+        assert len(generate) > 4 * limit
+        sock.send_multipart([VERSION_FRAME, generate])
+        abort = msgspec.msgpack.encode([3, [f"id-{i:06d}" for i in range(40_000)], 9])
+        sock.send_multipart([VERSION_FRAME, abort])
+        replies = [m for m in drain_until_pong(sock, 1) if isinstance(m, Error)]
+        assert [(m.code, m.request_id, m.call_id) for m in replies] == [
+            (ErrorCode.FRAME_TOO_LARGE, "huge", None),
+            (ErrorCode.FRAME_TOO_LARGE, None, 9),
+        ]
+        sock.close()

@@ -5,6 +5,7 @@ gateway is killed, then the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -36,6 +37,25 @@ def gateway_pids(log: str) -> dict[int, int]:
     return {int(i): int(pid) for i, pid in re.findall(r"gateway (\d+) \(pid (\d+)\)", log)}
 
 
+def group_addresses(supervisor, count: int = 2) -> list[str]:
+    """The addresses of a ``--gateway-count`` supervisor's gateways (ipc: NAME-i.sock)."""
+    base = supervisor.address.removesuffix(".sock")
+    return [f"{base}-{i}.sock" for i in range(count)]
+
+
+@contextlib.asynccontextmanager
+async def pool_on(addresses: list[str]):
+    """A GatewayPool once every gateway has a session; a patient heartbeat: a starved box is
+    slow to answer (its pauses are forgiven)."""
+    async with GatewayPool(
+        addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=10
+    ) as pool:
+        async with asyncio.timeout(120):
+            while len(pool.connected) < len(addresses):
+                await asyncio.sleep(0.05)
+        yield pool
+
+
 async def started(pool: GatewayPool, prompt: list[int]):
     """A stream past its first output that outlives everything below (a 16k-context model:
     on a starved box a 2000-token stream could finish before the kill it waits for)."""
@@ -50,15 +70,8 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
     supervisor = gateway_process(
         *long_context_args(tmp_path), "--gateway-count", "2", "--enable-lora", "--control-open"
     )
-    base = supervisor.address.removesuffix(".sock")
-    addresses = [f"{base}-0.sock", f"{base}-1.sock"]
-    # A patient heartbeat: a starved box is slow to answer (its pauses are forgiven).
-    async with GatewayPool(
-        addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=10
-    ) as pool:
-        async with asyncio.timeout(60):
-            while len(pool.connected) < 2:
-                await asyncio.sleep(0.05)
+    addresses = group_addresses(supervisor)
+    async with pool_on(addresses) as pool:
         # Both gateways serve the same engine: same greedy tokens through either one.
         results = [await client.complete([7, 8, 9], GREEDY) for client in pool.clients]
         assert results[0].token_ids == results[1].token_ids
@@ -172,14 +185,8 @@ async def test_a_gateway_that_exits_3_takes_the_group_with_it(gateway_process, t
     the supervisor fans that out, so the other gateway ends its requests with ENGINE_DEAD
     too and every process exits 3, rather than serving on beside engines deemed dead."""
     supervisor = gateway_process(*long_context_args(tmp_path), "--gateway-count", "2")
-    base = supervisor.address.removesuffix(".sock")
-    addresses = [f"{base}-0.sock", f"{base}-1.sock"]
-    async with GatewayPool(
-        addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=10
-    ) as pool:
-        async with asyncio.timeout(60):
-            while len(pool.connected) < 2:
-                await asyncio.sleep(0.05)
+    addresses = group_addresses(supervisor)
+    async with pool_on(addresses) as pool:
         streams = [await started(pool, [3 + i]) for i in range(4)]
         assert {s.gateway for s in streams} == set(addresses)
         family = [p.pid for p in supervisor.descendants()]

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from client import FinishReason, GatewayPool, SamplingParams
+from client import FinishReason, SamplingParams
+from tests.gateway.test_gateway_group import group_addresses, pool_on
 from tests.gateway.test_lifecycle import LONG_CONTEXT, long_context_args
 from tests.helpers import gone, kill_all, wait_for
 
@@ -23,12 +24,7 @@ DRAINED = SamplingParams(temperature=0.0, max_tokens=min(3000, LONG_CONTEXT - 16
 
 
 async def ctrl_c_drains(supervisor, addresses: list[str]) -> None:
-    async with GatewayPool(
-        addresses, connect_timeout_s=240, heartbeat_interval_s=2.0, reconnect_timeout_s=10
-    ) as pool:
-        async with asyncio.timeout(120):
-            while len(pool.connected) < len(addresses):
-                await asyncio.sleep(0.05)
+    async with pool_on(addresses) as pool:
         streams = [pool.generate([3 + i], DRAINED) for i in range(2 * len(addresses))]
         for stream in streams:
             await anext(stream)
@@ -59,8 +55,7 @@ async def test_ctrl_c_in_a_terminal_drains_every_gateway_of_a_group(gateway_proc
     supervisor = gateway_process(
         *long_context_args(tmp_path), "--gateway-count", "2", "--drain-timeout", "60"
     )
-    base = supervisor.address.removesuffix(".sock")
-    await ctrl_c_drains(supervisor, [f"{base}-0.sock", f"{base}-1.sock"])
+    await ctrl_c_drains(supervisor, group_addresses(supervisor))
     log = supervisor.output()
     assert "draining every gateway" in log and log.count("draining:") == 2, log[-3000:]
 
