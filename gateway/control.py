@@ -49,8 +49,9 @@ ENGINE_STATE_CALLS = (
 
 async def control_reply(engine: Any, table: SessionTable, call: Any) -> ServerMessage:
     """Make ``call``'s engine call; its ControlDone or StatsReply. Engine errors propagate
-    (the server turns them into Errors carrying the call_id). ``engine``: an Engine whose
-    control methods are optional (a missing one becomes UNSUPPORTED in the server)."""
+    (the server turns them into Errors carrying the call_id). ``engine``: an Engine with
+    ``engine.EngineControls``' methods (an unsupported one raises NotImplementedError,
+    which the server answers UNSUPPORTED)."""
     call_id = call.call_id
     match call:
         case Pause(mode=mode, clear_cache=clear_cache):

@@ -133,6 +133,55 @@ class Engine(Protocol):
     # requests for HealthReply (the gateway uses it when the engine has it).
 
 
+class ControlUnsupported(NotImplementedError):
+    """This engine has no such control operation (answered UNSUPPORTED, with the reason)."""
+
+
+class EngineControls:
+    """The control operations an engine may offer, each unsupported until it overrides it.
+
+    The server maps ``NotImplementedError`` (this class's ``ControlUnsupported``, or an
+    engine's own reason) to UNSUPPORTED, and nothing else: an AttributeError raised inside
+    vLLM is a failure (INTERNAL), not a missing feature."""
+
+    def _unsupported(self, operation: str) -> ControlUnsupported:
+        return ControlUnsupported(f"{type(self).__name__} does not offer {operation}")
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        raise self._unsupported("pause")
+
+    async def resume(self) -> None:
+        raise self._unsupported("resume")
+
+    async def reset_prefix_cache(self, reset_running: bool) -> bool:
+        raise self._unsupported("reset_prefix_cache")
+
+    async def reload_weights(self, path: str, version: str | None) -> dict:
+        raise self._unsupported("reload_weights")
+
+    async def set_weight_version(self, version: str) -> None:
+        raise self._unsupported("set_weight_version")
+
+    async def sleep(self, level: int) -> None:
+        raise self._unsupported("sleep")
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        raise self._unsupported("wake_up")
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise self._unsupported("load_lora")
+
+    async def unload_lora(self, name: str) -> None:
+        raise self._unsupported("unload_lora")
+
+    async def list_loras(self) -> list[str]:
+        raise self._unsupported("list_loras")
+
+    def engine_stats(self) -> list:
+        """Per-engine scheduler stats for GetStats; none by default."""
+        return []
+
+
 def sample_engine_request_id(engine_request_id: str, index: int, n: int) -> str:
     """The engine id of sample ``index`` of an ``n``-sample request (vLLM's scheme)."""
     return engine_request_id if n == 1 else f"{index}_{engine_request_id}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from codec import EngineLoad, Generate, Logprobs
 
-from .engine import EngineInfo, sample_engine_request_id
+from .engine import EngineControls, EngineInfo, sample_engine_request_id
 from .errors import EngineDead, RequestRejected, SubmitFailed
 
 __all__ = ["FakeEngine", "FakeOutput", "FakePrepared"]
@@ -45,7 +45,7 @@ class FakePrepared:
 
 
 @dataclass
-class FakeEngine:
+class FakeEngine(EngineControls):
     """Emits one token per live request per step, every ``step_interval_s``."""
 
     info: EngineInfo = field(default_factory=lambda: EngineInfo("fake", 1024, 512, (2,), 20, 256))

@@ -404,7 +404,7 @@ class Gateway:
             reply = Error(None, ErrorCode.ENGINE_DEAD, exc.message, call.call_id)
         except RequestRejected as exc:  # e.g. an unknown LoRA name: the caller's mistake
             reply = Error(None, exc.code, exc.message, call.call_id)
-        except (AttributeError, NotImplementedError) as exc:
+        except NotImplementedError as exc:  # EngineControls: the engine lacks it
             reply = Error(
                 None,
                 ErrorCode.UNSUPPORTED,

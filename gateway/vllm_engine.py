@@ -37,7 +37,7 @@ from typing import Any
 from codec import EngineLoad, EngineStats, Generate, Logprobs
 from codec import SamplingParams as WireSamplingParams
 
-from .engine import EngineInfo, PrefillStatsLike, sample_engine_request_id
+from .engine import EngineControls, EngineInfo, PrefillStatsLike, sample_engine_request_id
 from .errors import EngineDead, RequestRejected, SubmitFailed
 from .loop_watched_socket import LoopWatchedSocket
 from .parent_watch import watch_parent
@@ -891,7 +891,7 @@ def _to_wire_logprobs(token_ids: Any, logprobs: Any, ranks: Any) -> Logprobs:
     return Logprobs(token_ids=token_ids.tolist(), logprobs=logprobs.tolist(), ranks=ranks.tolist())
 
 
-class VllmEngine:
+class VllmEngine(EngineControls):
     """A vLLM EngineCore in its own process, driven through AsyncMPClient."""
 
     def __init__(self, vllm_config: Any, client: Any, supported_tasks: tuple[str, ...]):

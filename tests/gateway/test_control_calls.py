@@ -222,3 +222,25 @@ def test_a_frame_far_over_the_model_s_default_limit_is_answered_by_name():
             (ErrorCode.FRAME_TOO_LARGE, None, 9),
         ]
         sock.close()
+
+
+async def test_a_missing_operation_is_unsupported_but_a_bug_inside_one_is_internal():
+    """Engines inherit ``EngineControls``: what they lack is UNSUPPORTED by name; an
+    AttributeError raised inside an operation (vLLM's, say) is not taken for a missing
+    feature (it was UNSUPPORTED too)."""
+
+    class Broken(FakeEngine):
+        async def resume(self) -> None:
+            raise AttributeError("'NoneType' object has no attribute 'resume_scheduler'")
+
+    async with (
+        running_gateway(Broken(), control=OPEN) as gw,
+        AsyncClient(gw.addresses[0]) as client,
+    ):
+        with pytest.raises(RequestFailed) as info:
+            await client.load_lora("x", "/x")
+        assert info.value.code is ErrorCode.UNSUPPORTED and "load_lora" in info.value.message
+        with pytest.raises(RequestFailed) as info:
+            await client.resume()
+        assert info.value.code is ErrorCode.INTERNAL and "resume_scheduler" in info.value.message
+        assert (await client.stats()).engines == []
