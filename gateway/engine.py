@@ -1,6 +1,6 @@
 """The engine boundary: a small Protocol the gateway drives, and neutral types.
 
-Rule: nothing here imports vLLM. ``vllm_engine.VllmEngine`` implements the
+Rule: nothing here imports vLLM. ``gateway.vllm.VllmEngine`` implements the
 Protocol on a real EngineCore; ``fake_engine.FakeEngine`` implements it in
 process for unit tests and the gateway's own benchmark ceiling.
 """

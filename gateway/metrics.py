@@ -7,13 +7,14 @@ counters) and one histogram per engine step; nothing here runs per frame.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .server import Gateway
+    from .sessions import SessionTable
 
 __all__ = ["StepHistogram", "GatewayCollector", "start_metrics_server"]
 
@@ -36,10 +37,21 @@ class StepHistogram:
         self.count += 1
 
 
+class GatewayCounters(Protocol):
+    """What the collector reads of a gateway (``server.Gateway`` has it): this module
+    needs no import of the server, which imports ``StepHistogram`` from here."""
+
+    table: SessionTable
+    errors_by_code: Counter
+    frames_sent: int
+    frames_dropped: int
+    step_histogram: StepHistogram
+
+
 class GatewayCollector:
     """prometheus-client collector over one Gateway."""
 
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: GatewayCounters):
         self.gateway = gateway
 
     def collect(self) -> Iterator:
@@ -127,7 +139,7 @@ class GatewayCollector:
 
 
 def start_metrics_server(
-    gateway: Gateway | None, port: int, addr: str = "127.0.0.1"
+    gateway: GatewayCounters | None, port: int, addr: str = "127.0.0.1"
 ) -> CollectorRegistry:
     """Serve /metrics on ``addr:port`` from a background thread (prometheus-client).
 

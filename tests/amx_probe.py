@@ -5,7 +5,7 @@
 Runs one AMX tile instruction (``ldtilecfg``, ``tilezero``, ``tilerelease``, from a small C
 library built with gcc, or the one given) in two fresh processes: one bare, which Linux
 kills with SIGILL until the process asked for the tile state, and one after
-``gateway.vllm_engine.allow_amx_tiles`` (what the vLLM plugin runs in each engine process).
+``gateway.vllm.plugin.allow_amx_tiles`` (what the vLLM plugin runs in each engine process).
 Prints what each saw; exits 0 when the bare one died of SIGILL and the other ran. Also used
 by tests/gateway/test_vllm_plugin.py on machines that report AMX.
 """
@@ -69,7 +69,7 @@ def _child(library: str, mode: str) -> None:
     tiles = ctypes.CDLL(library)
     print("before", tile_permission(), flush=True)
     if mode == "plugin":
-        from gateway.vllm_engine import allow_amx_tiles
+        from gateway.vllm.plugin import allow_amx_tiles
 
         print("allowed", allow_amx_tiles(), tile_permission(), flush=True)
     print("ran", tiles.run_tile(), flush=True)

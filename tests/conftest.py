@@ -61,7 +61,7 @@ async def running_gateway(engine, limits=None, address=None, **kwargs) -> AsyncI
 def cpu_engine_args(model: str | None = None, **overrides):
     """vLLM engine arguments for tests: the tiny model (or ``model``) on the CPU engine."""
     from gateway.tiny_model import ensure_tiny_model
-    from gateway.vllm_engine import default_engine_args
+    from gateway.vllm import default_engine_args
 
     settings = dict(
         enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=TEST_MAX_MODEL_LEN, seed=0
@@ -74,7 +74,7 @@ def cpu_engine_args(model: str | None = None, **overrides):
 async def engine_gateway(engine_args, *, engine_stats: bool = False, **kwargs) -> AsyncIterator:
     """A real engine started from ``engine_args`` and a gateway on it (``kwargs`` go to the
     Gateway); both always stopped."""
-    from gateway.vllm_engine import VllmEngine
+    from gateway.vllm import VllmEngine
 
     engine = await VllmEngine.start(engine_args, engine_stats=engine_stats)
     try:
@@ -87,7 +87,7 @@ async def engine_gateway(engine_args, *, engine_stats: bool = False, **kwargs) -
 @pytest.fixture(scope="session")
 async def vllm_engine():
     """One real vLLM EngineCore on the tiny model, shared by the whole session."""
-    from gateway.vllm_engine import VllmEngine
+    from gateway.vllm import VllmEngine
 
     engine = await VllmEngine.start(cpu_engine_args(), engine_stats=True)
     yield engine

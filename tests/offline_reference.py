@@ -40,7 +40,7 @@ def run_offline_reference(
 def main() -> None:
     spec = json.load(sys.stdin)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from gateway.vllm_engine import patch_vllm_cpu_version
+    from gateway.vllm import patch_vllm_cpu_version
 
     patch_vllm_cpu_version()
     from vllm import LLM, SamplingParams, TokensPrompt

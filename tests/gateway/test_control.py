@@ -397,7 +397,7 @@ async def test_a_lora_module_is_loaded_at_start_and_one_vllm_cannot_load_is_refu
     running engine: the adapter is usable by name at once and gives what the same adapter
     loaded at runtime gives; a corrupt one is refused naming it, and the engine serves on."""
     from client import RequestOptions
-    from gateway.vllm_engine import LoraModuleRefused
+    from gateway.vllm import LoraModuleRefused
     from tests.lora_adapter import make_tiny_lora
 
     engine, prompt = small_gateway.engine, [17, 18, 19, 20]
@@ -439,7 +439,7 @@ async def test_an_adapter_whose_folder_is_deleted_or_rewritten_after_loading_ser
     import tempfile
 
     from client import RequestOptions
-    from gateway.vllm_engine import copies_owner
+    from gateway.vllm.plugin import copies_owner
     from tests.lora_adapter import make_tiny_lora
 
     prompt = [17, 18, 19, 20]

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from gateway.errors import EngineDead
-from gateway.vllm_engine import EngineGroup, VllmEngine, stopping_eos_token_ids
+from gateway.vllm import EngineGroup, VllmEngine, stopping_eos_token_ids
 from tests.gateway.test_process_exit import main_thread_exits_while_a_thread_lingers, sleep_forever
 
 
@@ -228,7 +228,7 @@ def test_the_eos_ids_listed_are_those_vllm_stops_on(generation_config, tokenizer
 def test_the_vllm_plugin_is_registered_and_patches_each_part_once():
     import importlib.metadata
 
-    from gateway.vllm_engine import _run_dp_coordinator, load_vllm_plugin
+    from gateway.vllm.plugin import _run_dp_coordinator, load_vllm_plugin
 
     (entry,) = [
         e
@@ -244,9 +244,9 @@ def test_the_vllm_plugin_is_registered_and_patches_each_part_once():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     sample, reload = CPUModelRunner._sample, CPUWorker.reload_weights
-    assert reload.__module__ == "gateway.vllm_engine"  # checked and undone on failure
+    assert reload.__module__ == "gateway.vllm.plugin"  # checked and undone on failure
     load_adapter = LRUCacheWorkerLoRAManager._load_adapter  # from a private copy
-    assert load_adapter.__module__ == "gateway.vllm_engine"
+    assert load_adapter.__module__ == "gateway.vllm.plugin"
     assert sample is not GPUModelRunner._sample  # wrapped on the CPU runner only
     # vLLM's DP coordinator processes start through the gateway's parent watch.
     assert DPCoordinatorProc.run_coordinator is _run_dp_coordinator
@@ -259,8 +259,8 @@ def test_the_vllm_plugin_is_registered_and_patches_each_part_once():
 
 
 def test_an_adapter_is_loaded_from_a_private_copy_made_at_its_first_load(tmp_path, monkeypatch):
-    import gateway.vllm_engine as adapter_module
-    from gateway.vllm_engine import _adapter_source
+    import gateway.vllm.plugin as adapter_module
+    from gateway.vllm.plugin import _adapter_source
 
     # Copies under tmp_path, not this (test) process's own folder of copies.
     (tmp_path / "copies").mkdir()
@@ -287,7 +287,7 @@ def test_an_adapter_is_loaded_from_a_private_copy_made_at_its_first_load(tmp_pat
 def test_adapter_copies_of_gone_processes_are_removed(tmp_path):
     import subprocess
 
-    from gateway.vllm_engine import _remove_copies_of_gone_processes
+    from gateway.vllm.plugin import _remove_copies_of_gone_processes
 
     gone = subprocess.Popen(["true"])
     gone.wait()

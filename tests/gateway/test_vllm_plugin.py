@@ -11,8 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import gateway.vllm_engine as plugin
+import gateway.vllm.plugin as plugin
 from gateway.process_exit import describe_process_exit
+from gateway.vllm import args, deaths
+from gateway.vllm import engine as adapter
 from tests.amx_probe import build_tile_library, machine_has_amx, probe
 
 
@@ -102,7 +104,7 @@ def test_a_dead_workers_signal_reaches_the_gateway_through_the_engine_process(
     from vllm.v1.engine.exceptions import EngineDeadError
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    monkeypatch.setattr(plugin.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(deaths.tempfile, "gettempdir", lambda: str(tmp_path))
     plugin.load_vllm_plugin()
     worker = multiprocessing.get_context("spawn").Process(target=_die_of_sigill, name="W-0")
     worker.start()
@@ -115,22 +117,22 @@ def test_a_dead_workers_signal_reaches_the_gateway_through_the_engine_process(
     executor.register_failure_callback(lambda: told.append("engine told"))
     executor.failure_callback()  # what vLLM's worker monitor does
     assert told == ["engine told"]
-    dead = plugin._engine_failure(EngineDeadError(), [os.getpid()])
+    dead = adapter._engine_failure(EngineDeadError(), [os.getpid()])
     assert str(dead).startswith("the engine core failed: W-0 (killed by SIGILL: ")
     # Another engine's report is not this one's; without a report, the generic words.
-    assert "gateway's log" in str(plugin._engine_failure(EngineDeadError(), [1]))
-    plugin.death_report([os.getpid()], remove=True)
-    assert plugin.death_report([os.getpid()]) is None
+    assert "gateway's log" in str(adapter._engine_failure(EngineDeadError(), [1]))
+    deaths.death_report([os.getpid()], remove=True)
+    assert deaths.death_report([os.getpid()]) is None
 
 
 def test_the_cpu_attention_path_is_vllms_own_pick_for_the_model():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from gateway.vllm_engine import engine_config
+    from gateway.vllm import engine_config
     from tests.conftest import cpu_engine_args
 
     config = engine_config(cpu_engine_args())
-    isa = plugin.cpu_attention_isa(config)
+    isa = args.cpu_attention_isa(config)
     want = _get_attn_isa(
         config.model_config.dtype,
         config.cache_config.block_size,
@@ -140,8 +142,8 @@ def test_the_cpu_attention_path_is_vllms_own_pick_for_the_model():
     assert isa == want and isa in ("amx", "vec", "vec16", "neon", "vsx", "vxe", "rvv")
 
 
-def bare_engine(version: str | None) -> plugin.VllmEngine:
-    engine = plugin.VllmEngine.__new__(plugin.VllmEngine)
+def bare_engine(version: str | None) -> adapter.VllmEngine:
+    engine = adapter.VllmEngine.__new__(adapter.VllmEngine)
     engine.weight_version = version
     engine._weights_epoch = 0
     engine._salts = {}

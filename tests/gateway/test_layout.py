@@ -1,0 +1,107 @@
+"""The house rules, read from the source: only ``gateway.vllm`` imports vLLM; the client and
+codec import nothing of the gateway or the benchmark, and the gateway nothing of the
+benchmark; no import arrow runs in a circle among the gateway's modules. Imports inside
+functions count (they are arrows too); ``if TYPE_CHECKING:`` blocks do not."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("codec", "client", "gateway")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Absolute names of the modules ``path`` imports, anywhere but TYPE_CHECKING blocks."""
+    tree = ast.parse(path.read_text())
+    package = (
+        module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    )
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            found.add(stem)
+            # ``from .pkg import module`` imports that module too.
+            for alias in node.names:
+                candidate = f"{stem}.{alias.name}"
+                if (ROOT / Path(*candidate.split("."))).with_suffix(".py").exists():
+                    found.add(candidate)
+    return found
+
+
+def project_modules() -> dict[str, set[str]]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            modules[module_name(path)] = imports_of(path)
+    return modules
+
+
+def test_only_the_vllm_package_imports_vllm():
+    offenders = {
+        name: sorted(i for i in imports if i == "vllm" or i.startswith("vllm."))
+        for name, imports in project_modules().items()
+        if not name.startswith("gateway.vllm")
+    }
+    assert {n: i for n, i in offenders.items() if i} == {}
+
+
+def test_client_and_codec_stand_alone_and_the_gateway_does_not_use_the_bench():
+    forbidden = {
+        "codec": ("client", "gateway", "bench", "zmq"),
+        "client": ("gateway", "bench"),
+        "gateway": ("bench",),
+    }
+    for name, imports in project_modules().items():
+        top = name.split(".")[0]
+        for imported in imports:
+            assert imported.split(".")[0] not in forbidden[top], f"{name} imports {imported}"
+
+
+def test_no_import_arrow_runs_in_a_circle_among_the_gateways_modules():
+    modules = {n: i for n, i in project_modules().items() if n.startswith("gateway")}
+    graph = {
+        name: {i for i in imports if i in modules and i != name}
+        for name, imports in modules.items()
+    }
+    # A package's __init__ re-exports its modules: an arrow into a package is one into the
+    # modules it re-exports, so the package itself is no node of a cycle.
+    for package in ("gateway", "gateway.vllm"):
+        graph[package] = set()
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    assert cycles == []
