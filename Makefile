@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-slow lint bench bench-full bench-gpu
+.PHONY: setup demo test test-slow lint bench bench-full bench-gpu bench-scale
 
 setup:
 	./scripts/setup.sh
@@ -41,3 +41,16 @@ bench-gpu:
 	$(GPU_BENCH) --name gpu_llama1b --concurrency 1,64,256,1024 --prompt-len 128 --output-len 256
 	$(GPU_BENCH) --name gpu_llama1b_ceiling --executor zero --concurrency 256,1024,2048 \
 		--prompt-len 32 --output-len 512
+
+# Issue 38 item 3, on a host with 16+ cores (a GPU host's CPUs will do): 4 and 8
+# zero-compute engines (one core each) behind one gateway and behind two, against vLLM's
+# HTTP server with 1, 2 and 4 API servers, at c=1024-4096. The report's scale-out table
+# gives each target's tok/s against N x one engine's (direct) and its frontend cores.
+SCALE = $(PY) -m bench --executor zero --no-ceiling --prompt-len 32 --output-len 512 \
+	--concurrency 1024,2048,4096 --rounds 2 --max-num-seqs 1024
+
+bench-scale: setup
+	$(SCALE) --name scale_dp4 --targets \
+		direct,gateway-dp4,gateway-dp4-x2,vllm-http-dp4,vllm-http-dp4-x2,vllm-http-dp4-x4
+	$(SCALE) --name scale_dp8 --targets \
+		direct,gateway-dp8,gateway-dp8-x2,vllm-http-dp8,vllm-http-dp8-x2,vllm-http-dp8-x4

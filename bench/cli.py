@@ -8,10 +8,12 @@ direct engine client, on the same model, engine flags and workload, in one run.
     python -m bench --name frontend_ceiling --executor zero --prompt-len 32 --output-len 512 \
         --concurrency 256,1024 --targets gateway-ipc,gateway-x2,vllm-http,vllm-http-x2,direct
 
-Targets ending in -dp2 run two data-parallel engines (one core each); -x2 run two frontend
-processes on one engine (`serve --gateway-count 2` through the client's GatewayPool, or
-vLLM's `--api-server-count 2`). `--executor zero` gives every target vLLM's real EngineCore
-with no model compute (bench/zero_engine.py): the frontends' own ceiling.
+Targets ending in -dpN run N data-parallel engines (one core each); -xM run M frontend
+processes on the engines (`serve --gateway-count M` through the client's GatewayPool, or
+vLLM's `--api-server-count M`); both combine (gateway-dp8-x2, vllm-http-dp8-x4). `make
+bench-scale` runs the scale-out plan of issue 38 on a host with 16+ cores.
+`--executor zero` gives every target vLLM's real EngineCore with no model compute
+(bench/zero_engine.py): the frontends' own ceiling.
 
 Results: bench/results/<name>.json, .md and PNG plots; see bench/report.py.
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 from gateway.server import freeze_startup_heap
 
 from .stats import summarize
+from .targets import scaled_target
 from .workload import Workload, closed_loop, model_shape, open_loop
 
 ALL_TARGETS = [
@@ -49,6 +52,8 @@ ALL_TARGETS = [
     "vllm-http-x2",
     "gateway-fake",  # the gateway on the fake engine: CLI smoke tests
 ]
+
+
 DEFAULT_TARGETS = ["gateway-ipc", "gateway-tcp", "vllm-http", "vllm-grpc", "direct"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -68,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--quick", action="store_true", help="c=1,64 (default)")
     mode.add_argument("--full", action="store_true", help="c=1,16,64,256 and Poisson rates")
     p.add_argument(
-        "--targets", default=",".join(DEFAULT_TARGETS), help=f"comma list of {ALL_TARGETS}"
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma list of {ALL_TARGETS}, or gateway / vllm-http with -dpN and/or -xM",
     )
     p.add_argument("--concurrency", default=None, help="comma list, overrides the mode")
     p.add_argument("--rates", default=None, help="Poisson arrival rates (req/s), comma list")
@@ -284,7 +291,7 @@ async def run(args: argparse.Namespace) -> dict:
     vocab_size, context = model_shape(model)
     workload = Workload(args.prompt_len, args.output_len, seed=args.seed, vocab_size=vocab_size)
     names = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = set(names) - set(ALL_TARGETS)
+    unknown = {n for n in names if n not in ALL_TARGETS and scaled_target(n) is None}
     if unknown:
         raise SystemExit(f"unknown targets {sorted(unknown)}; known: {ALL_TARGETS}")
     setup = EngineSetup(
@@ -301,20 +308,21 @@ async def run(args: argparse.Namespace) -> dict:
     for name in names:
         if name == "gateway-fake":
             targets.append(GatewayTarget(fake_server, "fake"))
-        elif name == "gateway-dp2":
-            servers.append(GatewayServer(model, setup=setup.with_dp(2)))
-            targets.append(GatewayTarget(servers[-1], "ipc", name=name))
-        elif name == "gateway-x2":
-            servers.append(GatewayGroupServer(model, 2, setup=setup))
-            targets.append(GatewayPoolTarget(servers[-1], name))
+        elif (scaled := scaled_target(name)) is not None:
+            frontend, dp, x = scaled
+            engines = setup.with_dp(dp) if dp > 1 else setup
+            if frontend == "vllm-http":
+                targets.append(HttpTarget(model, setup=engines, api_servers=x, name=name))
+            elif x > 1:
+                servers.append(GatewayGroupServer(model, x, setup=engines))
+                targets.append(GatewayPoolTarget(servers[-1], name))
+            else:
+                servers.append(GatewayServer(model, setup=engines))
+                targets.append(GatewayTarget(servers[-1], "ipc", name=name))
         elif name.startswith("gateway-"):
             targets.append(GatewayTarget(server, name.removeprefix("gateway-")))
         elif name == "vllm-http":
             targets.append(HttpTarget(model, setup=setup))
-        elif name == "vllm-http-dp2":
-            targets.append(HttpTarget(model, setup=setup.with_dp(2), name=name))
-        elif name == "vllm-http-x2":
-            targets.append(HttpTarget(model, setup=setup, api_servers=2, name=name))
         elif name.startswith("vllm-grpc"):
             targets.append(GrpcTarget(model, stream=name == "vllm-grpc", setup=setup))
         else:

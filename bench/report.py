@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .targets import scaled_target
+
 
 def _f(value: float | None, fmt: str = ".1f") -> str:
     return "–" if value is None else format(value, fmt)
@@ -16,6 +18,31 @@ def _range(row: dict) -> str:
 
 def _ratio(value: float | None, base: float | None) -> str:
     return "–" if not value or not base else f"{value / base:.2f}x"
+
+
+def _scale_lines(rows: list[dict], base: dict, baseline: str) -> list[str]:
+    """Targets with N data-parallel engines against N times one engine's ceiling (the
+    baseline, one engine, at the same concurrency): what the frontend lets through."""
+    scaled = [(r, scaled_target(r["target"])) for r in rows]
+    scaled = [(r, s[1]) for r, s in scaled if s is not None and s[1] > 1]
+    if not scaled:
+        return []
+    lines = [
+        "",
+        f"Scale-out: each target's throughput against its engines' summed ceiling (N x "
+        f"`{baseline}`'s tok/s on one engine, same concurrency), and its frontend cores.",
+        "",
+        "| target | conc | engines | output tok/s | vs N x one engine | frontend cores |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r, engines in sorted(scaled, key=lambda item: (item[0]["concurrency"], item[0]["target"])):
+        one = base.get(r["concurrency"], {}).get("output_tok_s")
+        lines.append(
+            f"| {r['target']} | {r['concurrency']} | {engines} | "
+            f"{_f(r['output_tok_s'], '.0f')} | {_ratio(r['output_tok_s'], one and one * engines)} "
+            f"| {_f(r.get('frontend_cores'), '.2f')} |"
+        )
+    return lines
 
 
 def write_report(results: dict, stem: Path) -> str:
@@ -68,6 +95,7 @@ def write_report(results: dict, stem: Path) -> str:
                 f"{_f(r.get('frontend_cores'), '.2f')} | {_f(r.get('engine_cores'), '.2f')} | "
                 f"{_f(r.get('engine_steps_per_s'), '.0f')} |"
             )
+    lines += _scale_lines(rows, direct, baseline)
     poisson = [r for r in results["rows"] if r["mode"] == "poisson"]
     if poisson:
         lines += [

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -691,3 +692,16 @@ class GatewayPoolTarget:
     async def stop(self) -> None:
         if self._pool is not None:
             await self._pool.aclose()
+
+
+# Any of these too: N data-parallel engines and/or M frontend processes.
+SCALED_TARGET = re.compile(r"(?P<frontend>gateway|vllm-http)(?:-dp(?P<dp>\d+))?(?:-x(?P<x>\d+))?")
+
+
+def scaled_target(name: str) -> tuple[str, int, int] | None:
+    """(frontend, data-parallel engines, frontend processes) of a -dpN / -xM target."""
+    match = SCALED_TARGET.fullmatch(name)
+    if match is None or (match["dp"] is None and match["x"] is None):
+        return None
+    dp, x = int(match["dp"] or 1), int(match["x"] or 1)
+    return (match["frontend"], dp, x) if dp >= 1 and x >= 1 and dp * x > 1 else None

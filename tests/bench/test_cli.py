@@ -144,3 +144,25 @@ def test_the_bench_freezes_what_it_holds_before_each_measurement():
     assert len(target.frozen_at_start) == 4
     for frozen, held in target.frozen_at_start:
         assert frozen >= held
+
+
+def test_scaled_targets_name_their_engines_and_frontends_and_report_against_the_sum():
+    from bench.report import _scale_lines
+    from bench.targets import scaled_target
+
+    assert scaled_target("gateway-dp8-x2") == ("gateway", 8, 2)
+    assert scaled_target("vllm-http-dp4-x4") == ("vllm-http", 4, 4)
+    assert scaled_target("gateway-x2") == ("gateway", 1, 2)
+    assert scaled_target("vllm-http-dp2") == ("vllm-http", 2, 1)
+    for plain in ("gateway-ipc", "vllm-http", "direct", "gateway-dp1", "gateway-dp8-y2"):
+        assert scaled_target(plain) is None
+    rows = [
+        {"target": "direct", "concurrency": 1024, "output_tok_s": 40_000.0},
+        {"target": "gateway-dp8", "concurrency": 1024, "output_tok_s": 304_000.0},
+        {"target": "vllm-http-dp8-x2", "concurrency": 1024, "output_tok_s": 80_000.0},
+    ]
+    lines = _scale_lines(rows, {1024: rows[0]}, "direct")
+    (gateway,) = [line for line in lines if line.startswith("| gateway-dp8 ")]
+    assert "| 8 | 304000 | 0.95x |" in gateway
+    (http,) = [line for line in lines if line.startswith("| vllm-http-dp8-x2 ")]
+    assert "| 8 | 80000 | 0.25x |" in http
