@@ -175,7 +175,8 @@ class Gateway:
         self.engine = engine
         self.control = control
         self._tasks: set[asyncio.Task] = set()  # control calls and aborts under way
-        self._controls_in_flight: set[tuple[bytes, Any]] = set()  # (client, call) unanswered
+        # (client, call, token): calls not answered yet (ENGINE_DEAD answers them).
+        self._controls_in_flight: set[tuple[bytes, Any, object]] = set()
         self._engine_state_lock = asyncio.Lock()  # ENGINE_STATE_CALLS, one at a time
         self.limits = limits = limits.for_model(engine.info.max_model_len)
         self.binds = [bind] if isinstance(bind, str) else list(bind)
@@ -383,7 +384,7 @@ class Gateway:
 
         Calls that change the engine's state wait their turn (arrival order). A call still
         under way when the engine dies is answered ENGINE_DEAD by ``_on_engine_dead``."""
-        pending = (client_id, call)
+        pending = (client_id, call, object())  # one per call, even for identical frames
         self._controls_in_flight.add(pending)
         try:
             reply = await self._control_reply(call)
@@ -524,7 +525,7 @@ class Gateway:
         self.exit_code = EXIT_ENGINE_DEAD
         self._exit_at = time.monotonic() + self.engine_dead_grace_s
         # Control calls under way: the engine will never answer them.
-        for client_id, call in self._controls_in_flight:
+        for client_id, call, _ in self._controls_in_flight:
             error = Error(None, ErrorCode.ENGINE_DEAD, f"engine died: {message}", call.call_id)
             self._send(client_id, error)
         self._controls_in_flight.clear()

@@ -244,3 +244,22 @@ async def test_a_missing_operation_is_unsupported_but_a_bug_inside_one_is_intern
             await client.resume()
         assert info.value.code is ErrorCode.INTERNAL and "resume_scheduler" in info.value.message
         assert (await client.stats()).engines == []
+
+
+def test_identical_control_frames_are_each_answered():
+    """Two equal frames (same call_id) are two calls: each gets its own answer."""
+    from codec import ControlDone, Pause, Resume, encode
+    from tests.gateway.test_hardening import GatewayThread, drain_until_pong, raw_session
+
+    with GatewayThread(control=OPEN) as gw:
+        sock = raw_session(gw.address, b"twice")
+        for _ in range(2):
+            sock.send_multipart(encode(Pause(5, "keep")))
+        done = []
+        for nonce in range(1, 20):
+            done += [m for m in drain_until_pong(sock, nonce) if isinstance(m, ControlDone)]
+            if len(done) >= 2:
+                break
+        assert [(m.call_id, m.operation) for m in done] == [(5, "pause"), (5, "pause")]
+        sock.send_multipart(encode(Resume(6)))
+        sock.close()
