@@ -8,6 +8,7 @@ LoadLora is in test_control.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -247,19 +248,21 @@ async def test_a_missing_operation_is_unsupported_but_a_bug_inside_one_is_intern
 
 
 def test_identical_control_frames_are_each_answered():
-    """Two equal frames (same call_id) are two calls: each gets its own answer."""
-    from codec import ControlDone, Pause, Resume, encode
+    """Two equal frames (same call_id) are two calls: each gets its own answer, also when
+    both are under way at once (Pause "wait" behind a running request)."""
+    from codec import ControlDone, Generate, Pause, Resume, encode
     from tests.gateway.test_hardening import GatewayThread, drain_until_pong, raw_session
 
     with GatewayThread(control=OPEN) as gw:
         sock = raw_session(gw.address, b"twice")
+        sock.send_multipart(encode(Generate("r", [5], True, SamplingParams(max_tokens=300))))
         for _ in range(2):
-            sock.send_multipart(encode(Pause(5, "keep")))
-        done = []
-        for nonce in range(1, 20):
+            sock.send_multipart(encode(Pause(5, "wait")))
+        done, nonce, deadline = [], 0, time.monotonic() + 10
+        while len(done) < 2 and time.monotonic() < deadline:
+            nonce += 1
             done += [m for m in drain_until_pong(sock, nonce) if isinstance(m, ControlDone)]
-            if len(done) >= 2:
-                break
+            time.sleep(0.02)
         assert [(m.call_id, m.operation) for m in done] == [(5, "pause"), (5, "pause")]
         sock.send_multipart(encode(Resume(6)))
         sock.close()
