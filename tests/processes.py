@@ -44,7 +44,9 @@ class Process:
         return []
 
     def pids_named(self, fragment: str) -> list[int]:
-        """Processes under this one whose name or command line contains ``fragment``."""
+        """Processes under this one whose name or command line contains ``fragment``.
+        Reading a command line can block for seconds (the process's memory lock): async
+        tests call this through ``asyncio.to_thread``, keeping their sessions alive."""
         pids = []
         for child in self.descendants():
             with contextlib.suppress(psutil.NoSuchProcess):

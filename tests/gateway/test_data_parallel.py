@@ -235,7 +235,7 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         tasks.append(asyncio.ensure_future(doomed(1, firsts[3])))
         async with asyncio.timeout(60):
             await asyncio.gather(*(first.wait() for first in firsts))
-        pids = gw.engine_core_pids()
+        pids = await asyncio.to_thread(gw.engine_core_pids)
         assert len(pids) == 2, gw.output()[-2000:]
         os.kill(pids[0], signal.SIGKILL)
         killed_at = round(loop.time() - started, 2)
@@ -268,7 +268,7 @@ async def test_a_killed_dp_coordinator_ends_every_request_with_engine_dead_and_e
         async with asyncio.timeout(60):  # both running
             for stream in streams:
                 await anext(stream)
-        coordinators = gw.pids_named("DPCoordinator")
+        coordinators = await asyncio.to_thread(gw.pids_named, "DPCoordinator")
         assert len(coordinators) == 1, gw.output()[-2000:]
         os.kill(coordinators[0], signal.SIGKILL)
         for stream in streams:
@@ -336,8 +336,9 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
     try:
         head = gateway_process(*dp, "--seed", "0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
         async with AsyncClient(head.address, name="head", connect_timeout_s=240) as client:
-            assert len(head.engine_core_pids()) == 1  # rank 0 only; rank 1 is the other "node"
-            assert len(headless.engine_core_pids()) == 1, headless.output()[-2000:]
+            assert len(await asyncio.to_thread(head.engine_core_pids)) == 1  # rank 0 only
+            headless_pids = await asyncio.to_thread(headless.engine_core_pids)
+            assert len(headless_pids) == 1, headless.output()[-2000:]
             for rank in (0, 1):
                 for (prompt, max_tokens), expected in zip(
                     GREEDY_CASES, greedy_reference, strict=True

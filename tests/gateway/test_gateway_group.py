@@ -107,7 +107,7 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         # with ENGINE_DEAD, and exits 3 for its own supervisor.
         kept = [await started(pool, [20 + i]) for i in range(2)]
         assert {s.gateway for s in kept} == {addresses[0]}
-        engine_pids = supervisor.engine_core_pids()
+        engine_pids = await asyncio.to_thread(supervisor.engine_core_pids)
         assert len(engine_pids) == 1, supervisor.output()[-2000:]
         os.kill(engine_pids[0], signal.SIGKILL)
         for error in await asyncio.gather(*(stream_outcome(s) for s in kept)):
@@ -135,7 +135,12 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, 
         for stream in streams:
             await anext(stream)
         assert sorted(pool.in_flight().values()) == [2, 2]
-        family = {p.pid: " ".join(p.cmdline()) for p in supervisor.descendants()}
+        # Off the event loop: a process's cmdline is read under its memory lock, which an
+        # engine's teardown or the VM's reclaim can hold for seconds (process_exit.py), and
+        # a loop held past the 15 s heartbeat timeout expired these very sessions.
+        family = await asyncio.to_thread(
+            lambda: {p.pid: " ".join(p.cmdline()) for p in supervisor.descendants()}
+        )
         kinds = [
             "DPCoordinator",
             "EngineCore_DP0",
