@@ -47,7 +47,8 @@ async def run_demo(address: str) -> None:
         ack = client.hello_ack
         print(
             f"connected: model={ack.model.name} max_model_len={ack.model.max_model_len} "
-            f"vocab={ack.model.vocab_size} eos={ack.model.eos_token_ids}"
+            f"vocab={ack.model.vocab_size} eos={ack.model.eos_token_ids} "
+            f"cpu_attention={ack.model.cpu_attention}"
         )
         print(f"ping: {await client.ping() * 1e6:.0f} us")
         prompts = [[1, 17, 42, 99 + i] for i in range(8)]
