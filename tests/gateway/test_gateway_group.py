@@ -157,7 +157,12 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, 
             async with asyncio.timeout(30):
                 outcomes = await asyncio.gather(*(ending(s) for s in streams))
             for outcome in outcomes:
-                if isinstance(outcome, RequestFailed):
+                if isinstance(outcome, SessionLost):
+                    # This test's own process stalled past the heartbeat timeout (seen in CI:
+                    # 16 s on the 2-core box) and the session expired first: one terminal
+                    # all the same, and retryable.
+                    assert "session expired" in str(outcome), outcome
+                elif isinstance(outcome, RequestFailed):
                     assert outcome.code is ErrorCode.ENGINE_DEAD, outcome
                     assert "supervisor (pid" in str(outcome) and "was killed" in str(outcome)
                 else:
@@ -173,14 +178,14 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, 
     assert log.count("is gone: stopping (SIGUSR1") == 2, log[-3000:]
 
 
-async def ending(stream) -> FinishReason | RequestFailed | None:
+async def ending(stream) -> FinishReason | RequestFailed | SessionLost | None:
     """How a stream ended: its finish reason, or the error it failed with."""
     reason = None
     try:
         async for out in stream:
             if out.finished:
                 reason = out.finished.finish_reason
-    except RequestFailed as exc:
+    except (RequestFailed, SessionLost) as exc:
         return exc
     return reason
 
