@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from codec import (
+    CONTROL_MESSAGES,
     ControlDone,
     GetStats,
     ListLoras,
@@ -34,17 +35,7 @@ __all__ = ["ENGINE_STATE_CALLS", "control_reply"]
 
 # Calls that change the engine's state run one at a time, in the order they arrived: two
 # LoadLora at once picked the same adapter id, and vLLM served one adapter under both names.
-ENGINE_STATE_CALLS = (
-    Pause,
-    Resume,
-    ResetPrefixCache,
-    ReloadWeights,
-    SetWeightVersion,
-    Sleep,
-    WakeUp,
-    LoadLora,
-    UnloadLora,
-)
+ENGINE_STATE_CALLS = tuple(c for c in CONTROL_MESSAGES if c not in (GetStats, ListLoras))
 
 
 async def control_reply(engine: Any, table: SessionTable, call: Any) -> ServerMessage:
