@@ -35,6 +35,7 @@ from codec import (
     ControlDone,
     Error,
     ErrorCode,
+    FinishWeightUpdate,
     Generate,
     GetHealth,
     GetModelInfo,
@@ -42,6 +43,7 @@ from codec import (
     HealthReply,
     Hello,
     HelloAck,
+    InitWeightTransfer,
     ListLoras,
     LoadLora,
     Logprobs,
@@ -59,9 +61,12 @@ from codec import (
     Resume,
     SamplingParams,
     SetWeightVersion,
+    ShutdownWeightTransfer,
     Sleep,
+    StartWeightUpdate,
     StatsReply,
     UnloadLora,
+    UpdateWeights,
     WakeUp,
     decode_server,
     encode_payload,
@@ -503,6 +508,27 @@ class AsyncClient(CompletionCalls):
 
     async def unload_lora(self, name: str) -> ControlDone:
         return await self._call(UnloadLora, name)
+
+    # ---- weight transfer (vLLM's weight-transfer API; client.weight_sync drives it)
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> ControlDone:
+        """vLLM's init_weight_transfer_engine on every worker (the backend's init map)."""
+        return await self._call(InitWeightTransfer, init_info)
+
+    async def start_weight_update(self) -> ControlDone:
+        """Open a weight update: generation is held until it ends (finish, or failure)."""
+        return await self._call(StartWeightUpdate)
+
+    async def update_weights(self, update_info: dict | list[dict]) -> ControlDone:
+        """One chunk of the open update (the backend's update map, or one per worker)."""
+        return await self._call(UpdateWeights, update_info)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> ControlDone:
+        """Close the open update; its result: ``{"weight_version", "prefix_cache_reset"}``."""
+        return await self._call(FinishWeightUpdate, weight_version)
+
+    async def shutdown_weight_transfer_engine(self) -> ControlDone:
+        return await self._call(ShutdownWeightTransfer)
 
     async def list_loras(self) -> list[str]:
         return (await self._call(ListLoras)).result

@@ -143,6 +143,21 @@ class Client:
     def unload_lora(self, name: str):  # noqa: ANN201 - ControlDone
         return self._run(self._async.unload_lora(name))
 
+    def init_weight_transfer_engine(self, init_info: dict):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.init_weight_transfer_engine(init_info))
+
+    def start_weight_update(self):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.start_weight_update())
+
+    def update_weights(self, update_info: dict | list[dict]):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None):  # noqa: ANN201
+        return self._run(self._async.finish_weight_update(weight_version))
+
+    def shutdown_weight_transfer_engine(self):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.shutdown_weight_transfer_engine())
+
     def list_loras(self) -> list[str]:
         return self._run(self._async.list_loras())
 

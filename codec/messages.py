@@ -112,6 +112,9 @@ class ErrorCode(_OpenIntEnum):
     ENGINE_DEAD = 31  # the engine process failed; the gateway will exit
     TIMED_OUT = 32  # reserved: timeouts end requests with FinishReason.TIMED_OUT
     SLOW_CONSUMER = 33  # the client did not read its outputs; its requests were ended
+    # A weight update failed after some layers took new weights: generation is refused
+    # until a complete update (or ReloadWeights) succeeds. Retry after that.
+    WEIGHTS_INCOMPLETE = 34
     INTERNAL = 40  # a bug in the gateway: please report it
 
 
@@ -315,6 +318,48 @@ class ListLoras(_ClientBase, tag=17):
     call_id: int = 0
 
 
+# ---- weight transfer (PROTOCOL.md §7.14): vLLM's weight-transfer API, in-memory updates
+# from a trainer. ``init_info`` and ``update_info`` are the backend's maps, passed to vLLM
+# as they are.
+
+
+class InitWeightTransfer(_ClientBase, tag=18):
+    """vLLM's init_weight_transfer_engine(init_info), once per trainer connection (engines
+    started with --weight-transfer-config). Answered by ControlDone."""
+
+    call_id: int = 0
+    init_info: dict[str, Any] = {}
+
+
+class StartWeightUpdate(_ClientBase, tag=19):
+    """Open a weight update (vLLM's start_weight_update). Generation is held from here to
+    its end; only this session may continue it. Answered by ControlDone."""
+
+    call_id: int = 0
+
+
+class UpdateWeights(_ClientBase, tag=20):
+    """One chunk of an open update (vLLM's update_weights): a map, or a list of maps indexed
+    by ``dp_rank * world_size + worker_rank``. Answered by ControlDone."""
+
+    call_id: int = 0
+    update_info: dict[str, Any] | list[dict[str, Any]] = {}
+
+
+class FinishWeightUpdate(_ClientBase, tag=21):
+    """Close the open update (vLLM's finish_weight_update), then name its weights
+    ``version`` if given. Answered by ControlDone."""
+
+    call_id: int = 0
+    version: str | None = None
+
+
+class ShutdownWeightTransfer(_ClientBase, tag=22):
+    """vLLM's shutdown_weight_transfer_engine: release the trainer connection."""
+
+    call_id: int = 0
+
+
 ClientMessage = (
     Hello
     | Generate
@@ -333,6 +378,11 @@ ClientMessage = (
     | LoadLora
     | UnloadLora
     | ListLoras
+    | InitWeightTransfer
+    | StartWeightUpdate
+    | UpdateWeights
+    | FinishWeightUpdate
+    | ShutdownWeightTransfer
 )
 CONTROL_MESSAGES = (
     Pause,
@@ -346,6 +396,18 @@ CONTROL_MESSAGES = (
     LoadLora,
     UnloadLora,
     ListLoras,
+    InitWeightTransfer,
+    StartWeightUpdate,
+    UpdateWeights,
+    FinishWeightUpdate,
+    ShutdownWeightTransfer,
+)
+WEIGHT_TRANSFER_MESSAGES = (
+    InitWeightTransfer,
+    StartWeightUpdate,
+    UpdateWeights,
+    FinishWeightUpdate,
+    ShutdownWeightTransfer,
 )
 
 # ---------------------------------------------------------------- gateway -> client

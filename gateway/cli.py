@@ -207,6 +207,14 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         " guarded by file permissions only)",
     )
     g.add_argument(
+        "--weight-update-timeout",
+        type=bounded(float, 1.0, 86400.0),
+        default=120.0,
+        metavar="SECONDS",
+        help="end an open weight update (StartWeightUpdate) when no call continued it for"
+        " this long; one whose session ended is ended at once (generation is held meanwhile)",
+    )
+    g.add_argument(
         "--metrics-port",
         type=bounded(int, 0, 65535),
         default=None,

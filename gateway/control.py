@@ -9,12 +9,15 @@ succeeded. The server runs ``control_reply`` as its own task (those in
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from codec import (
     CONTROL_MESSAGES,
     ControlDone,
+    FinishWeightUpdate,
     GetStats,
+    InitWeightTransfer,
     ListLoras,
     LoadLora,
     Pause,
@@ -23,13 +26,18 @@ from codec import (
     Resume,
     ServerMessage,
     SetWeightVersion,
+    ShutdownWeightTransfer,
     Sleep,
+    StartWeightUpdate,
     StatsReply,
     UnloadLora,
+    UpdateWeights,
     WakeUp,
 )
 
+from .errors import RequestRejected
 from .sessions import SessionTable
+from .weight_updates import WeightUpdates
 
 __all__ = ["ENGINE_STATE_CALLS", "control_reply"]
 
@@ -38,11 +46,34 @@ __all__ = ["ENGINE_STATE_CALLS", "control_reply"]
 ENGINE_STATE_CALLS = tuple(c for c in CONTROL_MESSAGES if c not in (GetStats, ListLoras))
 
 
-async def control_reply(engine: Any, table: SessionTable, call: Any) -> ServerMessage:
+async def control_reply(
+    engine: Any,
+    table: SessionTable,
+    call: Any,
+    client_id: bytes = b"",
+    updates: WeightUpdates | None = None,
+    now: float = 0.0,
+) -> ServerMessage:
     """Make ``call``'s engine call; its ControlDone or StatsReply. Engine errors propagate
     (the server turns them into Errors carrying the call_id). ``engine``: an Engine with
     ``engine.EngineControls``' methods (an unsupported one raises NotImplementedError,
-    which the server answers UNSUPPORTED)."""
+    which the server answers UNSUPPORTED). ``updates``: the open weight update, which
+    refuses calls that may not run while it is open (RequestRejected)."""
+    if updates is not None and (problem := updates.refusal(client_id, call, now)):
+        raise RequestRejected(problem)
+    if updates is None:
+        return await _engine_call(engine, table, call)
+    updates.call_began(call, client_id, now)
+    ok = False
+    try:
+        reply = await _engine_call(engine, table, call)
+        ok = True
+        return reply
+    finally:
+        updates.call_ended(call, client_id, ok, time.monotonic())
+
+
+async def _engine_call(engine: Any, table: SessionTable, call: Any) -> ServerMessage:
     call_id = call.call_id
     match call:
         case Pause(mode=mode, clear_cache=clear_cache):
@@ -78,4 +109,21 @@ async def control_reply(engine: Any, table: SessionTable, call: Any) -> ServerMe
             return ControlDone(call_id, "list_loras", await engine.list_loras())
         case GetStats():
             return StatsReply(call_id, engine.engine_stats(), table.gateway_stats())
+        case InitWeightTransfer(init_info=init_info):
+            await engine.init_weight_transfer(init_info)
+            return ControlDone(call_id, "init_weight_transfer")
+        case StartWeightUpdate():
+            # Generation is held while layers wait for their tensors; a client's own pause
+            # stays its own (it resumes), the gateway's hold ends with the update.
+            await engine.start_weight_update(hold=not table.paused)
+            return ControlDone(call_id, "start_weight_update")
+        case UpdateWeights(update_info=update_info):
+            await engine.update_weights(update_info)
+            return ControlDone(call_id, "update_weights")
+        case FinishWeightUpdate(version=version):
+            result = await engine.finish_weight_update(version)
+            return ControlDone(call_id, "finish_weight_update", result)
+        case ShutdownWeightTransfer():
+            await engine.shutdown_weight_transfer()
+            return ControlDone(call_id, "shutdown_weight_transfer")
     raise TypeError(f"not a control call: {call!r}")  # the table passes only the above

@@ -177,6 +177,31 @@ class EngineControls:
     async def list_loras(self) -> list[str]:
         raise self._unsupported("list_loras")
 
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        raise self._unsupported("weight transfer")
+
+    async def start_weight_update(self, hold: bool) -> None:
+        """Open a weight update; ``hold``: pause generation until it ends."""
+        raise self._unsupported("weight transfer")
+
+    async def update_weights(self, update_info: dict | list) -> None:
+        raise self._unsupported("weight transfer")
+
+    async def finish_weight_update(self, version: str | None) -> dict:
+        raise self._unsupported("weight transfer")
+
+    async def shutdown_weight_transfer(self) -> None:
+        raise self._unsupported("weight transfer")
+
+    async def abandon_weight_update(self, reason: str) -> None:
+        """End the open update from the gateway's side (its trainer is gone or stalled).
+        Raises WeightsIncomplete when layers had taken new weights already."""
+        raise self._unsupported("weight transfer")
+
+    async def release_weight_hold(self) -> None:
+        """Let generation run again after a failed update (the server calls it once it
+        ended the requests a half-updated model may not serve)."""
+
     def engine_stats(self) -> list:
         """Per-engine scheduler stats for GetStats; none by default."""
         return []

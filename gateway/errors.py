@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from codec import ErrorCode
 
-__all__ = ["GatewayError", "RequestRejected", "SubmitFailed", "EngineDead"]
+__all__ = ["GatewayError", "RequestRejected", "SubmitFailed", "EngineDead", "WeightsIncomplete"]
 
 
 class GatewayError(Exception):
@@ -23,6 +23,15 @@ class RequestRejected(GatewayError):
     def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST):
         super().__init__(message)
         self.code = code
+
+
+class WeightsIncomplete(RequestRejected):
+    """A weight update failed after some layers took new weights: the model mixes two
+    sets of weights. Live requests end with this, and new ones are refused, until a
+    complete update or a ReloadWeights succeeds."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ErrorCode.WEIGHTS_INCOMPLETE)
 
 
 class SubmitFailed(GatewayError):

@@ -131,6 +131,7 @@ async def run_gateway(
             gateway_version=gateway_version(),
             listener=listener,
             control=_control_policy(args),
+            weight_update_timeout_s=args.weight_update_timeout,
             # Gateways of one group share the engines: their request ids must not collide.
             engine_id_prefix="g" if client_config is None else f"g{client_config['client_index']}.",
         )

@@ -36,11 +36,12 @@ from codec.framing import DEFAULT_MAX_FRAME_BYTES, encode_payload
 from .auth import ControlPolicy, CurveConfig
 from .control import ENGINE_STATE_CALLS, control_reply
 from .engine import Engine, StepOutput
-from .errors import EngineDead, RequestRejected, SubmitFailed
+from .errors import EngineDead, RequestRejected, SubmitFailed, WeightsIncomplete
 from .loop_watched_socket import LoopWatchedSocket
 from .metrics import StepHistogram
 from .preflight import ipc_path_in_use
 from .sessions import Effects, GatewayLimits, SessionTable
+from .weight_updates import DEFAULT_STALL_TIMEOUT_S, WeightUpdates
 
 __all__ = ["Gateway", "Listener", "BindError", "EXIT_OK", "EXIT_ENGINE_DEAD"]
 
@@ -171,12 +172,15 @@ class Gateway:
         listener: Listener | None = None,
         control: ControlPolicy = ControlPolicy(),
         engine_id_prefix: str = "g",
+        weight_update_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ):
         self.engine = engine
         self.control = control
+        self.weight_updates = WeightUpdates(weight_update_timeout_s)
         self._tasks: set[asyncio.Task] = set()  # control calls and aborts under way
         # (client, call, token): calls not answered yet (ENGINE_DEAD answers them).
-        self._controls_in_flight: set[tuple[bytes, Any, object]] = set()
+        # token -> (client, call); a call may hold maps (weight transfer): not hashable.
+        self._controls_in_flight: dict[object, tuple[bytes, Any]] = {}
         self._engine_state_lock = asyncio.Lock()  # ENGINE_STATE_CALLS, one at a time
         self.limits = limits = limits.for_model(engine.info.max_model_len)
         self.binds = [bind] if isinstance(bind, str) else list(bind)
@@ -343,6 +347,9 @@ class Gateway:
                     "%d client session(s) expired: silent past their heartbeat timeout",
                     table.stats.clients_expired - expired,
                 )
+            if reason := self.weight_updates.abandon_reason(now, table.has_session):
+                self.weight_updates.abandoning = True
+                self._spawn(self._abandon_weight_update(reason))
             if self._backlog:
                 self._flush_backlogs()
             if self._pending_aborts:
@@ -384,21 +391,31 @@ class Gateway:
 
         Calls that change the engine's state wait their turn (arrival order). A call still
         under way when the engine dies is answered ENGINE_DEAD by ``_on_engine_dead``."""
-        pending = (client_id, call, object())  # one per call, even for identical frames
-        self._controls_in_flight.add(pending)
+        token = object()  # one per call, even for identical frames
+        self._controls_in_flight[token] = (client_id, call)
         try:
-            reply = await self._control_reply(call)
+            reply = await self._control_reply(call, client_id)
         finally:
-            answered = pending not in self._controls_in_flight
-            self._controls_in_flight.discard(pending)
+            answered = self._controls_in_flight.pop(token, None) is None
         if not answered:
             self._send(client_id, reply)
 
-    async def _control_reply(self, call) -> ServerMessage:  # noqa: ANN001
+    async def _control_reply(self, call, client_id: bytes) -> ServerMessage:  # noqa: ANN001
         try:
             if isinstance(call, ENGINE_STATE_CALLS):
                 async with self._engine_state_lock:
-                    return await control_reply(self.engine, self.table, call)
+                    try:
+                        return await control_reply(
+                            self.engine,
+                            self.table,
+                            call,
+                            client_id,
+                            self.weight_updates,
+                            time.monotonic(),
+                        )
+                    except WeightsIncomplete as exc:  # before the next call's turn
+                        await self._end_half_updated_serving(exc.message)
+                        return Error(None, exc.code, exc.message, call.call_id)
             return await control_reply(self.engine, self.table, call)
         except EngineDead as exc:
             self._on_engine_dead(exc.message)
@@ -418,6 +435,34 @@ class Gateway:
                 None, ErrorCode.INTERNAL, f"{type(call).__name__} failed: {exc!r}", call.call_id
             )
         return reply
+
+    async def _end_half_updated_serving(self, message: str) -> None:
+        """A weight update failed part-way: end every live request (a half-updated model
+        may not serve them), then let the engine run again (new requests are refused)."""
+        logger.error("weight update failed part-way: %s", message)
+        ended = self.table.fail_all(ErrorCode.WEIGHTS_INCOMPLETE, message, time.monotonic())
+        await self._apply(ended)
+        await self.engine.release_weight_hold()
+
+    async def _abandon_weight_update(self, reason: str) -> None:
+        """End the open weight update from the gateway's side (its trainer is gone or
+        stalled): the engine gets back the old weights of every layer not yet updated."""
+        updates = self.weight_updates
+        try:
+            async with self._engine_state_lock:
+                if updates.open is None:
+                    return
+                logger.warning("ending the open weight update: %s", reason)
+                try:
+                    await self.engine.abandon_weight_update(reason)
+                except WeightsIncomplete as exc:
+                    await self._end_half_updated_serving(exc.message)
+                except EngineDead as exc:
+                    self._on_engine_dead(exc.message)
+                except Exception:
+                    logger.exception("ending the open weight update failed")
+        finally:
+            updates.abandoned()
 
     async def _submit(self, prepared: Sequence) -> None:
         """Submit to the engine; a request that fails to submit fails alone."""
@@ -525,7 +570,7 @@ class Gateway:
         self.exit_code = EXIT_ENGINE_DEAD
         self._exit_at = time.monotonic() + self.engine_dead_grace_s
         # Control calls under way: the engine will never answer them.
-        for client_id, call, _ in self._controls_in_flight:
+        for client_id, call in self._controls_in_flight.values():
             error = Error(None, ErrorCode.ENGINE_DEAD, f"engine died: {message}", call.call_id)
             self._send(client_id, error)
         self._controls_in_flight.clear()

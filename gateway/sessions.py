@@ -1040,6 +1040,16 @@ class SessionTable:
         self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
         return effects
 
+    def fail_all(self, code: ErrorCode, message: str, now: float) -> Effects:
+        """End every live request now with one Error(``code``) each; the engine aborts them."""
+        effects = Effects()
+        self._end_requests(self._all_requests(), (code, message), effects, now=now)
+        return effects
+
+    def has_session(self, client_id: bytes) -> bool:
+        """Whether ``client_id`` has a session now (Hello, not yet ended or expired)."""
+        return client_id in self._clients
+
 
 def _version_news(sample: _Sample) -> str | None:
     """The weight version to name on an output of ``sample`` that carries tokens: its

@@ -104,11 +104,17 @@ async def real_gateway(vllm_engine):
 @pytest.fixture(scope="session")
 async def small_gateway():
     """A gateway on its own real engine with max_num_seqs=2 (a third request waits in the
-    engine's queue), LoRA and engine stats on, and control operations open to every client."""
+    engine's queue), LoRA, engine stats and the ``cpu`` weight-transfer backend on, and
+    control operations open to every client."""
     from gateway.auth import ControlPolicy
 
     async with engine_gateway(
-        cpu_engine_args(max_num_seqs=2, enable_lora=True, max_lora_rank=8),
+        cpu_engine_args(
+            max_num_seqs=2,
+            enable_lora=True,
+            max_lora_rank=8,
+            weight_transfer_config={"backend": "cpu"},
+        ),
         engine_stats=True,
         control=ControlPolicy(open=True),
     ) as gateway:

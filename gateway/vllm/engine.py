@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from copy import copy
@@ -24,12 +23,16 @@ from codec import EngineLoad, EngineStats, Generate
 from codec import SamplingParams as WireSamplingParams
 
 from ..engine import EngineControls, EngineInfo, sample_engine_request_id
-from ..errors import EngineDead, RequestRejected, SubmitFailed
+from ..errors import EngineDead, RequestRejected, SubmitFailed, WeightsIncomplete
 from ..process_exit import EXIT_POLL_S
 from .args import cpu_attention_isa, engine_config
 from .deaths import death_report
+from .failures import engine_death_named as _engine_death_named
+from .failures import engine_failure as _engine_failure
+from .failures import vllm_failure_text
 from .launch import EngineGroup, describe_exit, exiting, watch_output_socket
 from .outputs import ConvertedOutput, stopping_eos_token_ids, to_wire_logprobs
+from .transfer import WeightTransferControls
 
 logger = logging.getLogger(__name__)
 
@@ -51,48 +54,11 @@ _DIRECT_FIELDS = tuple(
 )
 
 
-def _engine_failure(exc: BaseException, engine_pids: Iterable[int] = ()) -> EngineDead:
-    """What clients are told when vLLM's output task ended with ``exc``; a worker death
-    that an engine process in ``engine_pids`` reported is named."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    if isinstance(exc, EngineDeadError):  # its own text points at a log only we can see
-        cause = death_report(engine_pids)
-        if cause is not None:
-            logger.error("the engine core failed: %s", cause)
-            return EngineDead(f"the engine core failed: {cause}")
-        return EngineDead(
-            "the engine core failed (vLLM's EngineDeadError: the cause is in the gateway's log)"
-        )
-    return EngineDead(f"engine process failed: {exc!r}")
-
-
 _GATEWAY_LORA_IDS = 1_000_000  # LoRA ids each gateway of a group has for LoadLora
 
 
 class LoraModuleRefused(Exception):
     """A ``--lora-module`` adapter vLLM could not load at start; the message names it."""
-
-
-# How vLLM reports a utility call that raised in the engine, and in its workers.
-_UTILITY_FAILURE = re.compile(r"Call to \w+ method failed: (?P<text>.*)", re.DOTALL)
-
-
-_WORKER_FAILURE = re.compile(
-    r"Worker failed with error '(?P<text>.*)', please check the stack trace above.*", re.DOTALL
-)
-
-
-@contextlib.contextmanager
-def _engine_death_named(engine_pids: Iterable[int] = ()) -> Iterator[None]:
-    """Within: vLLM's EngineDeadError (a control call to a dead engine) is ``EngineDead``,
-    which the server answers with ENGINE_DEAD, not INTERNAL."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    try:
-        yield
-    except EngineDeadError as exc:
-        raise _engine_failure(exc, engine_pids) from exc
 
 
 async def _files_call(operation: str, call: Awaitable[Any], engine_pids: Iterable[int] = ()) -> Any:
@@ -105,15 +71,12 @@ async def _files_call(operation: str, call: Awaitable[Any], engine_pids: Iterabl
     except EngineDead:
         raise
     except Exception as exc:
-        text = str(exc)
-        for pattern in (_UTILITY_FAILURE, _WORKER_FAILURE):
-            if match := pattern.fullmatch(text):
-                text = match["text"]
+        text = vllm_failure_text(exc)
         logger.warning("%s refused: %s", operation, text)
         raise RequestRejected(f"{operation} failed: {text}") from exc
 
 
-class VllmEngine(EngineControls):
+class VllmEngine(WeightTransferControls, EngineControls):
     """A vLLM EngineCore in its own process, driven through AsyncMPClient."""
 
     def __init__(self, vllm_config: Any, client: Any, supported_tasks: tuple[str, ...]):
@@ -219,6 +182,8 @@ class VllmEngine(EngineControls):
         from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
+        if self.weights_incomplete is not None:
+            raise WeightsIncomplete(self.weights_incomplete)
         try:
             prompt = request.prompt_token_ids
             self._check_token_ids(prompt, "Token id {} is out of vocabulary")
@@ -365,6 +330,7 @@ class VllmEngine(EngineControls):
                 self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path}),
                 self._engine_pids,
             )
+            self.weights_incomplete = None  # a whole checkpoint: every layer has it
             reset = await self.reset_prefix_cache(False)
             if version is not None:
                 await self._set_version(version)

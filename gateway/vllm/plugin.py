@@ -18,13 +18,15 @@ import re
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..parent_watch import watch_parent
 from ..process_exit import describe_process_exit
 from ..stop_signals import ignore_terminal_interrupt
 from .deaths import write_death_report
+from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
+from .weight_updates import guard_weight_updates
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +54,33 @@ def load_vllm_plugin() -> None:
       (``_report_worker_deaths``): vLLM's EngineCore tells its clients only that it failed.
     - vLLM's processes under a gateway ignore a terminal's Ctrl-C, which the gateway
       drains on (``gateway.stop_signals``).
+    - Weight updates through vLLM's weight-transfer API never leave a half-updated model
+      serving unknowingly (``weight_updates``), and the ``cpu`` backend is registered
+      (``cpu_transfer``: ``--weight-transfer-config '{"backend": "cpu"}'``).
     """
     ignore_terminal_interrupt()  # under a gateway: it drains on Ctrl-C, not the engines
     _stop_engine_core_with_its_parent()
     _stop_dp_coordinator_with_its_parent()
     _reload_weights_safely()
     _load_adapters_from_a_private_copy()
+    guard_weight_updates()
+    _register_cpu_weight_transfer()
     _report_worker_deaths()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         allow_amx_tiles()
         _keep_seeded_streams_across_chunked_prefill()
+
+
+def _register_cpu_weight_transfer() -> None:
+    """Register the ``cpu`` weight-transfer backend with vLLM (lazily imported)."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    if "cpu" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            "cpu", "gateway.vllm.cpu_transfer", "CpuWeightTransferEngine"
+        )
 
 
 _amx_permission: bool | None = None  # this process asked Linux for AMX: its answer
@@ -165,7 +182,7 @@ def _run_dp_coordinator(*args: Any, **kwargs: Any) -> None:
 
 def _reload_weights_safely() -> None:
     """Wrap vLLM's worker ``reload_weights`` (from disk) with ``_check_reload`` before it and
-    ``_abandon_reload`` after a failure, so that a bad checkpoint is refused by name and the
+    ``abandon_reload`` after a failure, so that a bad checkpoint is refused by name and the
     engine serves on."""
     from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base class too
 
@@ -198,12 +215,12 @@ def _reload_weights_safely() -> None:
             finished += 1
 
         try:
-            with _layer_processing(process_and_count):
+            with layer_processing(process_and_count):
                 reload(self, weights_path=weights_path)
         except Exception as exc:
             # vLLM pointed the config at the new path first; it still serves the old one.
             model_config.model, model_config.model_weights, model_config.revision = source
-            _abandon_reload(model)
+            abandon_reload(model)
             raise RuntimeError(
                 f"reloading weights from {path!r} failed part-way ({exc}); the engine serves"
                 f" on, {finished} layers with new weights and the others with their old"
@@ -216,123 +233,23 @@ def _reload_weights_safely() -> None:
     Worker._engine_gateway_plugin = True
 
 
-# safetensors' dtype names (the header's "dtype"), for the meta tensors of a dry run.
-_SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-
-
 def _check_reload(model: Any, model_config: Any, load_config: Any, path: str) -> None:
     """Refuse, before any weight moves, a checkpoint vLLM's reload would die on: ``path`` is
     not a folder, holds no weight files, or (safetensors) has an unreadable header, a file
     its index names is missing, or a tensor the model has no place for or of another shape.
     The tensors are checked by a dry run of the model's own ``load_weights`` on meta tensors
     of the headers' shapes (nothing is read but headers; no layer is processed)."""
-    import glob
-
-    import torch
-    from safetensors import safe_open
-    from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files
-
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a folder on the engine's machine")
-    if load_config.load_format not in ("auto", "safetensors"):
+    shapes = checkpoint_shapes(path, load_config)
+    if shapes is None:
         return  # other loaders read other files (no headers to check); failures are undone
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        if load_config.load_format == "auto" and glob.glob(os.path.join(path, "*.bin")):
-            return  # no headers to check: a failure part-way is undone (_abandon_reload)
-        raise ValueError(f"{path!r} holds no weight files (*.safetensors)")
     try:
-        files = filter_duplicate_safetensors_files(files, path, "model.safetensors.index.json")
-    except FileNotFoundError as exc:
-        raise ValueError(f"{path!r}: {exc}") from None
-    shapes: dict[str, tuple[list[int], Any]] = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (not a dict)
-                    tensor = f.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype(), "float32")
-                    shapes[name] = (tensor.get_shape(), getattr(torch, dtype))
-        except Exception as exc:  # safetensors' own error type differs between releases
-            raise ValueError(f"{file!r} is not a readable safetensors file: {exc}") from None
-    try:
-        _dry_run_load(model, shapes)
+        dry_run_load(model, shapes)
     except ValueError as exc:
         raise ValueError(f"{path!r} does not fit the served model: {exc}") from None
     except Exception:  # an op meta tensors lack (some quantized loaders): the real load tells
         logger.debug("reload dry run inconclusive for %s", path, exc_info=True)
-
-
-def _dry_run_load(model: Any, shapes: dict[str, tuple[list[int], Any]]) -> None:
-    """The model's ``load_weights`` on meta tensors, inside vLLM's layerwise reload with its
-    per-layer processing held back, then every layer put back as it was. Raises ValueError
-    naming the tensor the model refused (no place for it, or another shape)."""
-    import torch
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    current: tuple[str, list[int]] = ("", [])
-
-    def meta_tensors() -> Iterator[tuple[str, Any]]:
-        nonlocal current
-        for name, (shape, dtype) in shapes.items():
-            current = (name, shape)
-            yield name, torch.empty(shape, dtype=dtype, device="meta")
-
-    with _layer_processing(lambda process, layer, info: None):
-        layerwise.initialize_layerwise_reload(model)
-        try:
-            model.load_weights(meta_tensors())
-        except (ValueError, KeyError, AssertionError, IndexError) as exc:
-            name, shape = current
-            why = repr(exc)  # vLLM may list every parameter of the model: cut it short
-            why = why if len(why) <= 400 else f"{why[:400]}..."
-            raise ValueError(f"tensor {name!r} of shape {shape}: {why}") from None
-        finally:
-            _abandon_reload(model)
-
-
-@contextlib.contextmanager
-def _layer_processing(replacement: Callable[[Any, Any, Any], None]) -> Iterator[None]:
-    """Within: vLLM's layerwise reload calls ``replacement(process, layer, info)`` where it
-    would process a layer whose weights all arrived (``process(layer, info)``)."""
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    process = layerwise._layerwise_process
-    layerwise._layerwise_process = lambda layer, info: replacement(process, layer, info)
-    try:
-        yield
-    finally:
-        layerwise._layerwise_process = process
-
-
-def _abandon_reload(model: Any) -> None:
-    """End vLLM's layerwise reload where it stopped: each layer it has not finished (waiting
-    on the meta device, or half-built, while its old tensors are kept aside) gets those
-    old tensors back. Layers it finished keep their new weights."""
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    for layer in model.modules():
-        info = layerwise.LAYERWISE_INFO.get(layer)
-        if info is not None and info.can_load():
-            if info.kernel_tensors is not None:
-                layerwise._place_kernel_tensors(layer, info)
-            info.reset()
-    if hasattr(model, "_original_do_torchao_reload"):
-        model._do_torchao_reload = model._original_do_torchao_reload
-    layerwise.LOADING_LAYERS.clear()
 
 
 def _load_adapters_from_a_private_copy() -> None:

@@ -62,6 +62,12 @@ EXPECTED_CODEC = {
     "EngineStats",
     "StatsReply",
     "CONTROL_MESSAGES",
+    "WEIGHT_TRANSFER_MESSAGES",
+    "InitWeightTransfer",
+    "StartWeightUpdate",
+    "UpdateWeights",
+    "FinishWeightUpdate",
+    "ShutdownWeightTransfer",
     "ServerMessage",
 }
 

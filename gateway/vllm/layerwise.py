@@ -1,0 +1,135 @@
+"""vLLM's layerwise reload, from outside: check a set of tensors against the served model
+before any weight moves, count the layers that took new weights, and undo a reload that
+stopped part-way. Runs in vLLM's worker processes (used by ``plugin`` for reloads from disk
+and by ``weight_updates`` for in-memory updates)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["abandon_reload", "checkpoint_shapes", "dry_run_load", "layer_processing"]
+
+
+# safetensors' dtype names (the header's "dtype"), for the meta tensors of a dry run.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+def checkpoint_shapes(path: str, load_config: Any) -> dict[str, tuple[list[int], Any]] | None:
+    """Each tensor's shape and torch dtype in the safetensors checkpoint at ``path``, from
+    its headers; None where there are no headers to read (another load format, or only
+    ``*.bin`` files). Raises ValueError for a folder without weights or an unreadable file."""
+    import glob
+
+    import torch
+    from safetensors import safe_open
+    from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files
+
+    if load_config.load_format not in ("auto", "safetensors"):
+        return None
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        if load_config.load_format == "auto" and glob.glob(os.path.join(path, "*.bin")):
+            return None
+        raise ValueError(f"{path!r} holds no weight files (*.safetensors)")
+    try:
+        files = filter_duplicate_safetensors_files(files, path, "model.safetensors.index.json")
+    except FileNotFoundError as exc:
+        raise ValueError(f"{path!r}: {exc}") from None
+    shapes: dict[str, tuple[list[int], Any]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (not a dict)
+                    tensor = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype(), "float32")
+                    shapes[name] = (tensor.get_shape(), getattr(torch, dtype))
+        except Exception as exc:  # safetensors' own error type differs between releases
+            raise ValueError(f"{file!r} is not a readable safetensors file: {exc}") from None
+    return shapes
+
+
+def dry_run_load(model: Any, shapes: dict[str, tuple[list[int], Any]]) -> dict[str, int]:
+    """The model's ``load_weights`` on meta tensors, inside vLLM's layerwise reload with its
+    per-layer processing held back, then every layer put back as it was. Returns how many
+    elements each layer (by module name) would receive. Raises ValueError naming the tensor
+    the model refused (no place for it, or another shape)."""
+    import torch
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    current: tuple[str, list[int]] = ("", [])
+
+    def meta_tensors() -> Iterator[tuple[str, Any]]:
+        nonlocal current
+        for name, (shape, dtype) in shapes.items():
+            current = (name, shape)
+            yield name, torch.empty(shape, dtype=dtype, device="meta")
+
+    with layer_processing(lambda process, layer, info: None):
+        layerwise.initialize_layerwise_reload(model)
+        try:
+            model.load_weights(meta_tensors())
+        except (ValueError, KeyError, AssertionError, IndexError) as exc:
+            name, shape = current
+            why = repr(exc)  # vLLM may list every parameter of the model: cut it short
+            why = why if len(why) <= 400 else f"{why[:400]}..."
+            raise ValueError(f"tensor {name!r} of shape {shape}: {why}") from None
+        else:
+            return {
+                module_name: info.load_numel
+                for module_name, layer in model.named_modules()
+                if (info := layerwise.LAYERWISE_INFO.get(layer)) is not None
+                and info.can_load()
+                and info.load_numel > 0
+            }
+        finally:
+            abandon_reload(model)
+
+
+@contextlib.contextmanager
+def layer_processing(replacement: Callable[[Any, Any, Any], None]) -> Iterator[None]:
+    """Within: vLLM's layerwise reload calls ``replacement(process, layer, info)`` where it
+    would process a layer whose weights all arrived (``process(layer, info)``)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    process = layerwise._layerwise_process
+    layerwise._layerwise_process = lambda layer, info: replacement(process, layer, info)
+    try:
+        yield
+    finally:
+        layerwise._layerwise_process = process
+
+
+def abandon_reload(model: Any) -> None:
+    """End vLLM's layerwise reload where it stopped: each layer it has not finished (waiting
+    on the meta device, or half-built, while its old tensors are kept aside) gets those
+    old tensors back. Layers it finished keep their new weights."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is not None and info.can_load():
+            if info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+            info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    layerwise.LOADING_LAYERS.clear()

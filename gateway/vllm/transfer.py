@@ -1,0 +1,150 @@
+"""``VllmEngine``'s weight-transfer operations: vLLM's weight-transfer API on every engine
+and worker, with generation held during an update, the cache-salt key moved, and a
+failure part-way turned into ``WeightsIncomplete`` (PROTOCOL.md §7.14).
+
+The workers' side (``weight_updates``) ends a failed update where it stands and reports
+how many layers took new weights: none, and the old weights serve on; some, and the model
+mixes two sets of weights, so generation is refused until a complete update (every layer)
+or a ReloadWeights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from codec import ErrorCode
+
+from ..errors import RequestRejected, WeightsIncomplete
+from .failures import engine_death_named, engine_failure, vllm_failure_text
+from .weight_updates import REFUSED
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WeightTransferControls"]
+
+
+class WeightTransferControls:
+    """Mixed into ``VllmEngine`` (uses its client, engine pids, epoch and version)."""
+
+    _client: Any
+    _vllm_config: Any
+    _engine_pids: list[int]
+    _weights_epoch: int
+    weights_incomplete: str | None = None  # why generation is refused, after a failure
+    _holding_generation = False  # the gateway paused the scheduler for the open update
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        self._require_transfer()
+        await self._weight_call("init_weight_transfer_engine", {"init_info": init_info})
+
+    async def shutdown_weight_transfer(self) -> None:
+        self._require_transfer()
+        await self._weight_call("shutdown_weight_transfer_engine")
+
+    async def start_weight_update(self, hold: bool) -> None:
+        """Open an update on every worker; ``hold``: pause generation (keep) until it ends,
+        since layers wait on the meta device meanwhile."""
+        self._require_transfer()
+        if hold:
+            await self.pause("keep", False)  # type: ignore[attr-defined]
+            self._holding_generation = True
+        self._weights_epoch += 1  # requests admitted from now on: a key of their own
+        try:
+            await self._weight_call("start_weight_update")
+        except Exception as exc:
+            await self._update_failed(exc)
+
+    async def update_weights(self, update_info: dict | list) -> None:
+        try:
+            await self._weight_call("update_weights", {"update_info": update_info})
+        except Exception as exc:
+            await self._update_failed(exc)
+
+    async def finish_weight_update(self, version: str | None) -> dict[str, Any]:
+        """Close the update on every worker, then reset the prefix cache, name the version
+        and let generation run. Result: the version, whether the cache was reset, and how
+        many layers (fewest over the workers) took new weights, of how many."""
+        try:
+            await self._weight_call("finish_weight_update")
+        except Exception as exc:
+            await self._update_failed(exc)
+        states = await self._worker_states("engine_gateway_weight_update_state")
+        updated = min((s["layers_updated"] for s in states), default=0)
+        layers = min((s["layers"] for s in states), default=0)
+        if self.weights_incomplete is not None and updated >= layers > 0:
+            logger.info("a complete weight update ended the mixed-weights state")
+            self.weights_incomplete = None
+        reset = await self.reset_prefix_cache(False)  # type: ignore[attr-defined]
+        if version is not None:
+            await self._set_version(version)  # type: ignore[attr-defined]
+        self._weights_epoch += 1
+        await self.release_weight_hold()
+        kept = sorted({name for s in states for name in s.get("layers_not_updated", [])})
+        return {
+            "weight_version": version,
+            "prefix_cache_reset": reset,
+            "layers_updated": updated,
+            "layers": layers,
+            "layers_not_updated": kept[:8],  # the first few that keep their old weights
+        }
+
+    async def abandon_weight_update(self, reason: str) -> None:
+        states = await self._worker_states("engine_gateway_abandon_weight_update")
+        self._after_failure(reason, states)
+        await self.release_weight_hold()
+
+    async def release_weight_hold(self) -> None:
+        if self._holding_generation:
+            self._holding_generation = False
+            await self.resume()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------ internals
+
+    def _require_transfer(self) -> None:
+        if self._vllm_config.weight_transfer_config is None:
+            raise NotImplementedError(
+                "the engine was started without --weight-transfer-config"
+                """ (e.g. '{"backend": "cpu"}', or "nccl" / "ipc" on GPUs)"""
+            )
+
+    async def _update_failed(self, exc: Exception) -> None:
+        """A start, chunk or finish failed: end the update on every worker (vLLM ended it
+        on the one that failed; with DP others may still be open), then raise what the
+        client gets: WeightsIncomplete if layers took new weights, else the refusal."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, EngineDeadError):
+            raise engine_failure(exc, self._engine_pids) from exc
+        text = vllm_failure_text(exc)
+        states = await self._worker_states("engine_gateway_abandon_weight_update")
+        self._after_failure(text, states)
+        await self.release_weight_hold()
+        code = ErrorCode.INVALID_REQUEST
+        logger.warning("weight update failed, the old weights serve on: %s", text)
+        if REFUSED in text or "Invalid" in text or "must be called" in text:
+            raise RequestRejected(text, code) from None
+        raise RequestRejected(f"the weight update failed: {text}", code) from None
+
+    def _after_failure(self, why: str, states: list[dict[str, Any]]) -> None:
+        """After an update ended early: WeightsIncomplete if any layer took new weights."""
+        self._weights_epoch += 1
+        updated = sum(s["layers_updated"] for s in states)
+        if updated:
+            self.weights_incomplete = (
+                f"a weight update failed after {updated} layer(s) took new weights ({why});"
+                " generation is refused until a complete update or a ReloadWeights"
+            )
+            raise WeightsIncomplete(self.weights_incomplete)
+
+    async def _weight_call(self, method: str, kwargs: dict[str, Any] | None = None) -> None:
+        """vLLM's worker method ``method`` on every engine (each DP rank) and worker."""
+        with engine_death_named(self._engine_pids):
+            await self._client.call_utility_all_async("collective_rpc", method, None, (), kwargs)
+
+    async def _worker_states(self, method: str) -> list[dict[str, Any]]:
+        with engine_death_named(self._engine_pids):
+            per_engine = await self._client.call_utility_all_async(
+                "collective_rpc", method, None, (), None
+            )
+        return [state for workers in per_engine for state in workers]

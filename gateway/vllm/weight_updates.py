@@ -1,0 +1,240 @@
+"""In vLLM's workers: weight updates through vLLM's weight-transfer API that never leave a
+half-updated model serving unknowingly.
+
+vLLM's layerwise reload (the ``nccl``, ``ipc`` and ``cpu`` backends use it) moves every
+layer to the meta device at ``start_weight_update`` and gives each layer its new weights
+once all of them arrived. When ``update_weights`` fails, vLLM ends the update but leaves the
+layers it had not finished on the meta device (the next step kills the engine), and its
+``finish_weight_update`` builds a layer that got part of its tensors with ``torch.empty``
+for the rest. Here, on every backend:
+
+- a failed start or chunk puts the old tensors back into each unfinished layer;
+- finish refuses, and undoes the same way, when a layer got part of its tensors;
+- ``engine_gateway_weight_update_state`` tells how many layers took new weights in this
+  update (0 after a failure: the old weights serve on, untouched), so the gateway can
+  refuse generation while the model mixes two sets of weights;
+- ``engine_gateway_abandon_weight_update`` ends an update whose trainer is gone.
+
+The plan of a complete update (which tensors the served checkpoint has, their shapes, and
+how many elements each layer takes) comes from a dry run of the model's own
+``load_weights`` on meta tensors of the checkpoint's headers, once per served model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["UpdatePlan", "guard_weight_updates", "update_plan"]
+
+REFUSED = "weight update refused"  # how a chunk refused before anything moved begins
+
+
+@dataclass
+class UpdatePlan:
+    """What a complete update of the served model consists of (from its checkpoint)."""
+
+    shapes: dict[str, tuple[list[int], Any]]  # tensor name -> (shape, torch dtype)
+    layer_elements: dict[str, int]  # module name -> elements a complete update gives it
+
+
+@dataclass
+class _Progress:
+    """One update on one worker: the layers that took new weights, of how many."""
+
+    layers: dict[int, str] = field(default_factory=dict)  # id -> name: layers taking tensors
+    updated: set[int] = field(default_factory=set)
+
+
+_plans: dict[tuple[int, str], UpdatePlan | None] = {}
+
+
+def update_plan(model: Any, vllm_config: Any, *, compute: bool = True) -> UpdatePlan | None:
+    """The served checkpoint's plan (cached per model and path); None where its headers
+    cannot be read (not a local safetensors folder). ``compute``: make it when not cached
+    (a dry run: only outside an open update)."""
+    path = vllm_config.model_config.model
+    key = (id(model), path)
+    if key not in _plans:
+        if not compute:
+            return None
+        try:
+            shapes = checkpoint_shapes(path, vllm_config.load_config)
+            elements = None if shapes is None else dry_run_load(model, shapes)
+        except Exception:
+            logger.warning("no update plan for %s: chunks are checked by vLLM only", path)
+            shapes = elements = None
+        _plans[key] = None if shapes is None else UpdatePlan(shapes, elements or {})
+    return _plans[key]
+
+
+def guard_weight_updates() -> None:
+    """Wrap the worker's weight-update calls (see the module's docstring); once."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker's base class too
+
+    if getattr(Worker, "_engine_gateway_update_guard", False):
+        return
+    start, update, finish = (
+        Worker.start_weight_update,
+        Worker.update_weights,
+        Worker.finish_weight_update,
+    )
+
+    def start_weight_update(self: Any) -> None:
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            self._engine_gateway_plan = update_plan(model, self.vllm_config)
+        self._engine_gateway_progress = _Progress()
+        try:
+            with _counting(self._engine_gateway_progress):
+                start(self)
+        except BaseException:
+            abandon_reload(model)
+            raise
+        layers = _loadable_layers(model)
+        plan = self._engine_gateway_plan
+        if plan is not None:  # those a checkpoint has tensors for (not attention scales)
+            layers = {i: name for i, name in layers.items() if name in plan.layer_elements}
+        self._engine_gateway_progress.layers = layers
+
+    def update_weights(self: Any, update_info: Any) -> None:
+        try:
+            with _counting(_progress(self)):
+                update(self, update_info)
+        except BaseException:
+            # vLLM ended the update, leaving unfinished layers on the meta device.
+            abandon_reload(self.model_runner.get_model())
+            raise
+
+    def finish_weight_update(self: Any) -> None:
+        model = self.model_runner.get_model()
+        progress = _progress(self)
+        if self._weight_update_active:
+            partial = _partial_layers(model, getattr(self, "_engine_gateway_plan", None))
+            if partial:
+                _end(self, model)
+                shown = ", ".join(partial[:5]) + (" ..." if len(partial) > 5 else "")
+                raise RuntimeError(
+                    f"weight update incomplete: {len(partial)} layer(s) got only part of"
+                    f" their tensors ({shown}); they keep their old weights"
+                )
+            progress.updated.update(id(layer) for layer in _loading_layers(model))
+        finish(self)
+
+    def engine_gateway_weight_update_state(self: Any) -> dict[str, Any]:
+        progress = _progress(self)
+        missing = [name for i, name in progress.layers.items() if i not in progress.updated]
+        return {
+            "active": bool(getattr(self, "_weight_update_active", False)),
+            "layers_updated": len(progress.updated),
+            "layers": len(progress.layers),
+            "layers_not_updated": missing[:8],
+        }
+
+    def engine_gateway_abandon_weight_update(self: Any) -> dict[str, Any]:
+        if getattr(self, "_weight_update_active", False):
+            _end(self, self.model_runner.get_model())
+        return engine_gateway_weight_update_state(self)
+
+    Worker.start_weight_update = start_weight_update
+    Worker.update_weights = update_weights
+    Worker.finish_weight_update = finish_weight_update
+    Worker.engine_gateway_weight_update_state = engine_gateway_weight_update_state
+    Worker.engine_gateway_abandon_weight_update = engine_gateway_abandon_weight_update
+    Worker._engine_gateway_update_guard = True
+
+
+def _progress(worker: Any) -> _Progress:
+    progress = getattr(worker, "_engine_gateway_progress", None)
+    if progress is None:
+        progress = worker._engine_gateway_progress = _Progress()
+    return progress
+
+
+def _end(worker: Any, model: Any) -> None:
+    """End the worker's open update where it stands: unfinished layers get their old
+    tensors back; the transfer engine lets go of what it holds for the update."""
+    abandon_reload(model)
+    worker._weight_update_active = False
+    engine = worker.weight_transfer_engine
+    if engine is not None:
+        engine.reset_weight_update_target()
+        release = getattr(engine, "release_update", None)
+        if release is not None:
+            release()
+
+
+class _counting:
+    """Within: each layer vLLM's layerwise reload gives new weights is added to
+    ``progress.updated``."""
+
+    def __init__(self, progress: _Progress):
+        self._progress = progress
+
+    def __enter__(self) -> None:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        self._process = process = layerwise._layerwise_process
+        updated = self._progress.updated
+
+        def counted(layer: Any, info: Any) -> None:
+            process(layer, info)
+            updated.add(id(layer))
+
+        layerwise._layerwise_process = counted
+
+    def __exit__(self, *exc: object) -> None:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        layerwise._layerwise_process = self._process
+
+
+def _loading_layers(model: Any) -> list[Any]:
+    """Layers of an open update that received tensors and wait for finish to build them."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return [
+        layer
+        for layer in model.modules()
+        if (info := layerwise.LAYERWISE_INFO.get(layer)) is not None
+        and info.can_load()
+        and info.load_numel > 0
+    ]
+
+
+def _loadable_layers(model: Any) -> dict[int, str]:
+    """Layers of an open update that take tensors (attention layers without any do not)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    return {
+        id(layer): name
+        for name, layer in model.named_modules()
+        if (info := layerwise.LAYERWISE_INFO.get(layer)) is not None
+        and info.can_load()
+        and (info.load_numel_total or 0) > 0
+    }
+
+
+def _partial_layers(model: Any, plan: UpdatePlan | None) -> list[str]:
+    """Names of layers that received some of their tensors but fewer elements than a
+    complete update gives them (vLLM would build the rest from ``torch.empty``). Without
+    a plan, vLLM's own count of the layer's elements (which padding may exceed) decides."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    partial = []
+    for name, layer in model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or info.load_numel <= 0:
+            continue
+        expected = plan.layer_elements.get(name) if plan is not None else None
+        if expected is None:
+            expected = info.load_numel_total or 0
+        if info.load_numel < expected:
+            partial.append(name)
+    return partial

@@ -1,0 +1,319 @@
+"""In-memory weight updates through the ``cpu`` weight-transfer backend on the real engine
+(small_gateway): model A served, model B's tensors sent by a trainer in another process,
+by vLLM's own trainer-engine factory, refused when wrong, and a trainer that dies or fails
+part-way never leaves a half-updated model serving. Each test puts model A back."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from client import FinishReason, RequestFailed, RequestOptions, SamplingParams
+from client.results import Accumulator
+from codec import ErrorCode
+from tests.conftest import TEST_MAX_MODEL_LEN
+from tests.helpers import RecordingClient
+from tests.offline_reference import ROOT, run_offline_reference
+from tests.weight_trainer import checkpoint_tensors
+
+pytestmark = pytest.mark.engine
+
+PROMPT = [17, 18, 19, 20]
+LORA_PROMPT = [21, 22, 23]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def collect(client, prompt, sampling, request_id):
+    """A streamed request's Completion (``tokens_so_far`` sees its tokens as they come)."""
+    acc = Accumulator()
+    async for out in client.generate(prompt, sampling, request_id=request_id):
+        acc.add(out)
+    (completion,) = acc.done.values()
+    return completion
+
+
+def tokens_so_far(client, request_id: str) -> int:
+    return sum(
+        len(o.new_token_ids) for f in client.frames for o in f.outputs if o.request_id == request_id
+    )
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def models():
+    from gateway.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(), ensure_tiny_model(weights_seed=1)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from tests.lora_adapter import make_tiny_lora
+
+    return str(make_tiny_lora(tmp_path_factory.mktemp("adapter"), seed=5))
+
+
+@pytest.fixture(scope="module")
+def offline_b(models, adapter):
+    """Offline LLM.generate on model B: PROMPT, and LORA_PROMPT with the adapter."""
+    sampling = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    results = run_offline_reference(
+        str(models[1]),
+        TEST_MAX_MODEL_LEN,
+        [
+            {"prompt": PROMPT, "sampling": sampling},
+            {"prompt": LORA_PROMPT, "sampling": sampling, "lora": ["style", 1, adapter]},
+        ],
+    )
+    return [r["samples"][0]["token_ids"] for r in results]
+
+
+@pytest.fixture
+async def client(small_gateway, models):
+    """A client; model A's output on PROMPT is ``client.model_a``. After the test the engine
+    serves model A again (sent back if needed) and is neither paused nor refusing."""
+    async with RecordingClient(small_gateway.addresses[0], name="tester") as c:
+        c.model_a = (await c.complete(PROMPT, greedy(24))).token_ids
+        yield c
+        if small_gateway.engine.weights_incomplete or await _serving_other(c):
+            await send_model(c, models[0])
+        assert (await c.complete(PROMPT, greedy(24))).token_ids == c.model_a
+    assert not small_gateway.table.paused and small_gateway.weight_updates.open is None
+
+
+async def _serving_other(client) -> bool:
+    try:
+        return (await client.complete(PROMPT, greedy(24))).token_ids != client.model_a
+    except RequestFailed:
+        return True
+
+
+async def send_model(client, model_dir, **kwargs):
+    from client.weight_sync import asend_weights
+
+    return await asend_weights(client, checkpoint_tensors(str(model_dir)), **kwargs)
+
+
+def run_trainer(address: str, model_dir, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.weight_trainer", address, str(model_dir), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+async def test_a_trainer_process_sends_model_b_and_the_gateway_serves_it_as_offline(
+    client, small_gateway, models, adapter, offline_b
+):
+    """B's tensors from another process (send_weights, pause keep): greedy outputs equal
+    offline LLM.generate on B, also through a LoRA adapter loaded before the update; a
+    request kept across the update reports two version spans."""
+    await client.load_lora("style", adapter)
+    try:
+        old = (await client.complete(PROMPT, greedy(4))).weight_versions[0].version
+        across = asyncio.ensure_future(collect(client, [3, 3, 3], greedy(200), "x"))
+        await until(lambda: tokens_so_far(client, "x") >= 10)
+        # Frozen until the trainer (which takes seconds to start) pauses, updates, resumes.
+        await client.pause("keep")
+        trainer = await asyncio.to_thread(
+            run_trainer, small_gateway.addresses[0], models[1], "--version", "policy-b"
+        )
+        assert trainer.returncode == 0, trainer.stderr[-2000:]
+        assert "'weight_version': 'policy-b'" in trainer.stdout
+        assert "'layers_updated': 15, 'layers': 15" in trainer.stdout  # every layer, once
+        spanned = await across
+        first, second = spanned.weight_versions
+        assert (first.version, second.version) == (old, "policy-b")
+        assert second.first_token == first.num_tokens >= 10
+        assert first.num_tokens + second.num_tokens == 200
+        after = await client.complete(PROMPT, greedy(24))
+        assert after.token_ids == offline_b[0] != client.model_a
+        assert [s.version for s in after.weight_versions] == ["policy-b"]
+        # vLLM's finish_weight_update drops every adapter; the gateway's still serves.
+        tuned = await client.complete(
+            LORA_PROMPT, greedy(24), options=RequestOptions(lora_name="style")
+        )
+        assert tuned.token_ids == offline_b[1]
+        done = await send_model(client, models[0], version=old)
+        assert done.result["weight_version"] == old
+    finally:
+        await client.unload_lora("style")
+
+
+async def test_vllms_own_trainer_engine_drives_the_gateway(
+    client, small_gateway, models, offline_b
+):
+    """vLLM's WeightTransferTrainerFactory with GatewayWeightSyncClient: a ModuleSource of
+    model B (transformers) through the registered ``cpu`` trainer engine."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from client import Client
+    from client.vllm_trainer import CpuTrainerInitInfo
+    from client.weight_sync import GatewayWeightSyncClient
+
+    module = AutoModelForCausalLM.from_pretrained(str(models[1]), dtype="auto")
+
+    def train_step_sync() -> None:
+        with Client(small_gateway.addresses[0], name="vllm-trainer") as gw:
+            engine = WeightTransferTrainerFactory.trainer_init(
+                CpuTrainerInitInfo(rank=0, bucket_bytes=1 << 16),
+                client=GatewayWeightSyncClient(gw),
+                source=ModuleSource(module),
+            )
+            gw.pause("keep")
+            try:
+                engine.send_weights("hf-b")
+            finally:
+                gw.resume()
+
+    await asyncio.to_thread(train_step_sync)
+    after = await client.complete(PROMPT, greedy(24))
+    assert after.token_ids == offline_b[0]
+    assert [s.version for s in after.weight_versions] == ["hf-b"]
+
+
+async def test_wrong_names_dtypes_and_shapes_are_refused_before_anything_moves(client, models):
+    import torch
+
+    tensors = dict(checkpoint_tensors(str(models[1])))
+    name = "model.layers.0.mlp.down_proj.weight"
+    good = tensors[name]
+    bystander = asyncio.ensure_future(collect(client, [5, 6], greedy(150), "by"))
+    await until(lambda: tokens_so_far(client, "by") >= 5)
+    cases = [
+        ([("model.layers.0.mlp.no_such.weight", good)], "not in the served model"),
+        ([(name, good.T.contiguous())], "has shape"),
+        ([(name, good.to(torch.int32))], "has dtype int32"),
+    ]
+    for bucket, words in cases:
+        with pytest.raises(RequestFailed) as info:
+            await send_model_tensors(client, bucket, pause="none")
+        assert info.value.code is ErrorCode.INVALID_REQUEST, info.value
+        assert words in info.value.message and "refused" in info.value.message
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == client.model_a
+    assert (await bystander).finish_reason is FinishReason.LENGTH  # held, never ended
+
+
+async def send_model_tensors(client, named_tensors, **kwargs):
+    from client.weight_sync import asend_weights
+
+    return await asend_weights(client, named_tensors, bucket_bytes=1, **kwargs)
+
+
+async def test_an_update_failing_part_way_refuses_generation_until_a_complete_update(
+    client, small_gateway, models
+):
+    """Layers 0.. took B's weights, then a wrong tensor: the model mixes A and B, so live
+    requests end with WEIGHTS_INCOMPLETE and new ones are refused, until a complete update."""
+    import torch
+
+    tensors = checkpoint_tensors(str(models[1]))
+    bad = [*tensors[:4], ("model.norm.weight", torch.zeros(3))]
+    bystander = asyncio.ensure_future(collect(client, [5, 6], greedy(300), "mix"))
+    await until(lambda: tokens_so_far(client, "mix") >= 5)
+    with pytest.raises(RequestFailed) as info:
+        await send_model_tensors(client, bad, pause="none")
+    assert info.value.code is ErrorCode.WEIGHTS_INCOMPLETE, info.value
+    assert "took new weights" in info.value.message
+    with pytest.raises(RequestFailed) as ended:
+        await bystander
+    assert ended.value.code is ErrorCode.WEIGHTS_INCOMPLETE
+    with pytest.raises(RequestFailed) as refused:
+        await client.complete(PROMPT, greedy(4))
+    assert refused.value.code is ErrorCode.WEIGHTS_INCOMPLETE
+    # A partial update (some layers) does not end it; a complete one does.
+    await send_model_tensors(client, tensors[:4], pause="none")
+    with pytest.raises(RequestFailed):
+        await client.complete(PROMPT, greedy(4))
+    await send_model(client, models[0])
+    assert small_gateway.engine.weights_incomplete is None
+
+
+async def test_a_trainer_killed_mid_transfer_leaves_no_half_updated_model_serving(
+    client, small_gateway, models
+):
+    bystander = asyncio.ensure_future(collect(client, [5, 6], greedy(300), "by2"))
+    await until(lambda: tokens_so_far(client, "by2") >= 5)
+    await client.pause("keep")  # frozen while the trainer starts (seconds)
+    trainer = await asyncio.to_thread(
+        run_trainer, small_gateway.addresses[0], models[1], "--die-after", "3"
+    )
+    assert trainer.returncode == -9 and "DYING" in trainer.stdout, trainer.stderr[-2000:]
+    # Its session ends at its heartbeat timeout; the gateway ends the update then.
+    with pytest.raises(RequestFailed) as ended:
+        await asyncio.wait_for(bystander, 30)
+    assert ended.value.code is ErrorCode.WEIGHTS_INCOMPLETE
+    assert "session that opened the weight update ended" in ended.value.message
+    with pytest.raises(RequestFailed) as refused:
+        await client.complete(PROMPT, greedy(4))
+    assert refused.value.code is ErrorCode.WEIGHTS_INCOMPLETE
+    assert small_gateway.weight_updates.open is None
+    await client.resume()
+
+
+async def test_a_stalled_update_is_ended_and_the_old_weights_serve_on(client, small_gateway):
+    """Opened, then nothing for the stall timeout: the gateway ends it; no layer had new
+    weights, so model A serves on, and a late chunk is refused."""
+    updates = small_gateway.weight_updates
+    timeout, updates.stall_timeout_s = updates.stall_timeout_s, 1.0
+    try:
+        await client.init_weight_transfer_engine({})
+        await client.start_weight_update()
+        await until(lambda: updates.open is None, timeout=15)
+    finally:
+        updates.stall_timeout_s = timeout
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == client.model_a
+    with pytest.raises(RequestFailed) as info:
+        await client.finish_weight_update("late")
+    assert info.value.code is ErrorCode.INVALID_REQUEST
+    assert "no weight update is open" in info.value.message
+
+
+async def test_an_open_update_belongs_to_its_session(client, small_gateway):
+    async with RecordingClient(small_gateway.addresses[0], name="other") as other:
+        await client.start_weight_update()
+        try:
+            for call in (other.finish_weight_update(), other.pause("keep"), client.resume()):
+                with pytest.raises(RequestFailed) as info:
+                    await call
+                assert info.value.code is ErrorCode.INVALID_REQUEST
+        finally:
+            done = await client.finish_weight_update()
+    assert done.result["layers_updated"] == 0  # nothing sent: every layer kept its weights
+
+
+async def test_weight_transfer_is_refused_to_unauthorized_clients_and_without_a_backend(
+    real_gateway, vllm_engine
+):
+    from client import AsyncClient
+    from gateway.auth import ControlPolicy
+    from tests.conftest import running_gateway
+
+    async with AsyncClient(real_gateway.addresses[0], name="stranger") as stranger:
+        for call in (stranger.init_weight_transfer_engine({}), stranger.start_weight_update()):
+            with pytest.raises(RequestFailed) as info:
+                await call
+            assert info.value.code is ErrorCode.UNAUTHORIZED
+    async with (
+        running_gateway(vllm_engine, control=ControlPolicy(open=True)) as gateway,
+        AsyncClient(gateway.addresses[0]) as trainer,
+    ):
+        with pytest.raises(RequestFailed) as info:
+            await trainer.start_weight_update()
+        assert info.value.code is ErrorCode.UNSUPPORTED
+        assert "--weight-transfer-config" in info.value.message
