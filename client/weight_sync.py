@@ -19,6 +19,7 @@ import mmap
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from codec import ControlDone
@@ -74,35 +75,56 @@ def shared_memory_buckets(
 ) -> Iterator[Iterator[dict[str, Any]]]:
     """The ``cpu`` backend's ``update_info`` maps for ``named_tensors``, one per bucket of
     at most ``bucket_bytes`` (a larger tensor gets a bucket of its own). Each bucket is a
-    file in ``directory`` (tmpfs: memory), written when its map is yielded and removed
-    when the next one is asked for, or on exit (the engine's workers keep their mappings
-    until the update ends). Tensors are read from wherever they live (moved to CPU)."""
-    files: list[str] = []
+    file in ``directory`` (tmpfs: memory); the next one is written on a thread while the
+    caller sends this one, and each is removed once the next is asked for, or on exit (the
+    engine's workers keep their mappings until the update ends). Tensors are read from
+    wherever they live (moved to CPU)."""
+    written: list[str] = []  # files not removed yet
 
-    def remove_files() -> None:
-        while files:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(files.pop())
+    def remove(path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with contextlib.suppress(ValueError):
+            written.remove(path)
 
     def buckets() -> Iterator[dict[str, Any]]:
-        bucket: list[tuple[str, Any]] = []
-        size = 0
-        for name, tensor in named_tensors:
-            nbytes = _aligned(tensor.numel() * tensor.element_size())
-            if bucket and size + nbytes > bucket_bytes:
-                yield _write_bucket(bucket, size, directory, files)
-                remove_files()
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield _write_bucket(bucket, size, directory, files)
-            remove_files()
+        with ThreadPoolExecutor(1, thread_name_prefix="weight-buckets") as writer:
+            pending = None
+            for group, size in _groups(named_tensors, bucket_bytes):
+                future = writer.submit(_write_bucket, group, size, directory, written)
+                if pending is not None:
+                    info = pending.result()
+                    yield info
+                    remove(info["buffer"])
+                pending = future
+            if pending is not None:
+                info = pending.result()
+                yield info
+                remove(info["buffer"])
 
+    stream = buckets()
     try:
-        yield buckets()
+        yield stream
     finally:
-        remove_files()
+        stream.close()  # waits for a bucket being written
+        for path in list(written):
+            remove(path)
+
+
+def _groups(
+    named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int
+) -> Iterator[tuple[list[tuple[str, Any]], int]]:
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = _aligned(tensor.numel() * tensor.element_size())
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket, size
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket, size
 
 
 def send_weights(

@@ -2,10 +2,11 @@
 code that runs inside vLLM's own processes (EngineCore, workers, the DP coordinator).
 
 Owns: the parent watch of engine and coordinator processes, the AMX tile permission, the
-reload check and undo of ``reload_weights``, private copies of LoRA adapters, seeded
-sampling across chunked prefill on CPU, worker-death reports, and SIGINT under a gateway.
-It imports vLLM, and from the gateway only what runs in those processes (no server, no
-sessions): parent_watch, process_exit, stop_signals and ``deaths``.
+reload check and undo of ``reload_weights`` (with ``layerwise``), the weight-update guard
+(``weight_updates``) and the ``cpu`` backend (``cpu_transfer``), private copies of LoRA
+adapters, seeded sampling across chunked prefill on CPU, worker-death reports, and SIGINT
+under a gateway. It imports vLLM, and from the gateway only what runs in those processes (no
+server, no sessions): parent_watch, process_exit, stop_signals and ``deaths``.
 """
 
 from __future__ import annotations

@@ -51,15 +51,16 @@ class _Progress:
     updated: set[int] = field(default_factory=set)
 
 
-_plans: dict[tuple[int, str], UpdatePlan | None] = {}
+_plans: dict[int, UpdatePlan | None] = {}
 
 
 def update_plan(model: Any, vllm_config: Any, *, compute: bool = True) -> UpdatePlan | None:
-    """The served checkpoint's plan (cached per model and path); None where its headers
-    cannot be read (not a local safetensors folder). ``compute``: make it when not cached
-    (a dry run: only outside an open update)."""
+    """The served checkpoint's plan (cached per model: a reload from another folder points
+    vLLM's config there, and that folder may be gone); None where its headers cannot be
+    read (not a local safetensors folder). ``compute``: make it when not cached (a dry run:
+    only outside an open update)."""
     path = vllm_config.model_config.model
-    key = (id(model), path)
+    key = id(model)
     if key not in _plans:
         if not compute:
             return None

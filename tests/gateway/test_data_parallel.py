@@ -57,9 +57,15 @@ def environment(values: dict[str, str]):
 
 @pytest.fixture(scope="module")
 async def dp_gateway():
-    """A gateway on two data-parallel CPU engines (one core each)."""
+    """A gateway on two data-parallel CPU engines (one core each), with the ``cpu``
+    weight-transfer backend and control calls open to every client."""
+    from gateway.auth import ControlPolicy
+
     with environment(ONE_CORE_PER_RANK):
-        context = engine_gateway(cpu_engine_args(data_parallel_size=2))
+        context = engine_gateway(
+            cpu_engine_args(data_parallel_size=2, weight_transfer_config={"backend": "cpu"}),
+            control=ControlPolicy(open=True),
+        )
         gateway = await context.__aenter__()
     try:
         yield gateway
@@ -357,3 +363,35 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
             await stream.aclose()
     finally:
         headless.stop()
+
+
+async def test_a_weight_update_reaches_every_rank(client):
+    """Model B's tensors through the ``cpu`` backend: each rank's greedy output equals
+    offline LLM.generate on B; then model A again, on both."""
+    from client.weight_sync import asend_weights
+    from tests.weight_trainer import checkpoint_tensors
+
+    model_a, model_b = ensure_tiny_model(), ensure_tiny_model(weights_seed=1)
+    prompt = [5, 6, 7]
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    offline_b = asyncio.ensure_future(
+        asyncio.to_thread(
+            run_offline_reference,
+            str(model_b),
+            TEST_MAX_MODEL_LEN,
+            [{"prompt": prompt, "sampling": dict(temperature=0.0, max_tokens=16, ignore_eos=True)}],
+        )
+    )
+    before = [
+        (await client.complete(prompt, sampling, options=pinned(r))).token_ids for r in (0, 1)
+    ]
+    done = await asend_weights(client, checkpoint_tensors(str(model_b)), version="dp-b")
+    assert done.result["layers_updated"] == done.result["layers"] > 0
+    after = [await client.complete(prompt, sampling, options=pinned(r)) for r in (0, 1)]
+    ((reference,),) = [r["samples"] for r in await offline_b]
+    assert [a.token_ids for a in after] == [reference["token_ids"]] * 2 != before
+    assert all(a.weight_versions[0].version == "dp-b" for a in after)
+    await asend_weights(client, checkpoint_tensors(str(model_a)), version="dp-a")
+    assert [
+        (await client.complete(prompt, sampling, options=pinned(r))).token_ids for r in (0, 1)
+    ] == before
