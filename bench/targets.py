@@ -78,11 +78,12 @@ class EngineSetup:
     cuda_graphs: bool = False
     max_model_len: int = MAX_MODEL_LEN
     max_num_seqs: int | None = None
+    extra_flags: tuple[str, ...] = ()  # more vLLM flags, as they are
 
     @property
     def flags(self) -> list[str]:
         flags = [f for f in ENGINE_FLAGS if not (self.cuda_graphs and f == "--enforce-eager")]
-        flags += ["--max-model-len", str(self.max_model_len)]
+        flags += ["--max-model-len", str(self.max_model_len), *self.extra_flags]
         if self.max_num_seqs is not None:
             flags += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.executor == "zero":

@@ -1,13 +1,17 @@
 """Time of one weight update through the gateway: in memory (``cpu`` backend, shared-memory
 buckets, ``client.weight_sync.send_weights``'s steps) against ``ReloadWeights`` from disk
-with the checkpoint write included (what a trainer without weight transfer does).
+with the checkpoint write included (what a trainer without weight transfer does), and
+against vLLM's own dev-mode HTTP routes making the same in-memory update (``vllm serve``
+with the same backend: /pause, /start_weight_update, /update_weights, /finish_weight_update,
+/resume, through vLLM's ``HTTPVLLMWeightSyncClient``).
 
     python -m bench.weight_update --model tiny --rounds 3
     python -m bench.weight_update --model llama-3.2-1b --rounds 3   # random weights, ~2.5 GB
 
 Each round: Pause(keep), the update, Resume, while nothing runs. In memory, split into
 start, transfer (write each bucket and UpdateWeights it) and finish; from disk, into
-writing the checkpoint (safetensors, to ``--disk-dir``) and ReloadWeights. Results:
+writing the checkpoint (safetensors, to ``--disk-dir``) and ReloadWeights; over HTTP, as in
+memory. Results:
 ``bench/results/weight_update_<model>.md`` (and .json).
 """
 
@@ -112,11 +116,53 @@ async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str) -> d
     return {"bytes": nbytes, "tensors": len(tensors), "memory": memory, "disk": disk}
 
 
+async def http_side(path: str, rounds: int, bucket_bytes: int) -> list[dict]:
+    """The same in-memory update through vLLM's dev-mode HTTP routes."""
+    from bench.targets import EngineSetup, HttpTarget
+
+    setup = EngineSetup(
+        max_model_len=512, extra_flags=("--weight-transfer-config", '{"backend": "cpu"}')
+    )
+    target = HttpTarget(path, dev_mode=True, setup=setup)
+    try:
+        await target.start()
+        return await asyncio.to_thread(_http_rounds, target.base, path, rounds, bucket_bytes)
+    finally:
+        await target.stop()
+
+
+def _http_rounds(base: str, path: str, rounds: int, bucket_bytes: int) -> list[dict]:
+    """Blocking, as vLLM's HTTPVLLMWeightSyncClient (requests) is."""
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from client.weight_sync import shared_memory_buckets
+
+    tensors = load_tensors(path)
+    http = HTTPVLLMWeightSyncClient(base, timeout=600)
+    http.init_weight_transfer_engine({})
+    rows: list[dict] = []
+    for round_ in range(rounds):
+        t0 = time.perf_counter()
+        requests.post(f"{base}/pause?mode=keep", timeout=60).raise_for_status()
+        http.start_weight_update()
+        t1 = time.perf_counter()
+        with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes) as buckets:
+            for info in buckets:
+                http.update_weights(info)
+        t2 = time.perf_counter()
+        http.finish_weight_update(f"http-{round_}")
+        requests.post(f"{base}/resume", timeout=60).raise_for_status()
+        t3 = time.perf_counter()
+        rows.append({"start": t1 - t0, "transfer": t2 - t1, "finish": t3 - t2, "total": t3 - t0})
+    return rows
+
+
 def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
     def median(rows: list[dict], key: str) -> float:
         return statistics.median(r[key] for r in rows) * 1000
 
-    mem, disk = result["memory"], result["disk"]
+    mem, disk, http = result["memory"], result["disk"], result.get("vllm-http", [])
     gib = result["bytes"] / 2**30
     lines = [
         f"# One weight update, {name} ({gib:.2f} GiB, {result['tensors']} tensors), ms",
@@ -132,6 +178,15 @@ def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
         f" {median(mem, 'finish'):.0f} |",
         f"| ReloadWeights from disk | {median(disk, 'total'):.0f} | write"
         f" {median(disk, 'write'):.0f}, reload {median(disk, 'reload'):.0f} |",
+        *(
+            [
+                f"| vLLM HTTP routes, same backend | {median(http, 'total'):.0f} | start"
+                f" {median(http, 'start'):.0f}, transfer {median(http, 'transfer'):.0f},"
+                f" finish {median(http, 'finish'):.0f} |"
+            ]
+            if http
+            else []
+        ),
         "",
         f"In memory: {median(disk, 'total') / median(mem, 'total'):.1f}x faster;"
         f" {result['bytes'] / median(mem, 'transfer') * 1000 / 2**30:.2f} GiB/s through the"
@@ -146,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bucket-bytes", type=int, default=512 << 20)
     p.add_argument("--disk-dir", default=tempfile.gettempdir())
+    p.add_argument("--no-http", action="store_true", help="skip vLLM's HTTP routes")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    result = asyncio.run(
-        measure(model_path(args.model), args.rounds, args.bucket_bytes, args.disk_dir)
-    )
+    path = model_path(args.model)
+    result = asyncio.run(measure(path, args.rounds, args.bucket_bytes, args.disk_dir))
+    if not args.no_http:
+        result["vllm-http"] = asyncio.run(http_side(path, args.rounds, args.bucket_bytes))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"weight_update_{args.model}.json").write_text(json.dumps(result, indent=1))
     text = markdown(args.model, result, args)

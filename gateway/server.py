@@ -294,7 +294,9 @@ class Gateway:
                 else:
                     if type(msg) in CONTROL_MESSAGES:
                         authorized = policy.allows(user_id)
-                        effects = table.on_control(client_id, msg, now, authorized, user_id)
+                        effects = table.on_control(
+                            client_id, msg, now, authorized, user_id, self.weight_updates.refusal
+                        )
                     else:
                         effects = table.on_message(client_id, msg, now, user_id)
                 await self._apply(effects)

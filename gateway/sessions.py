@@ -330,12 +330,15 @@ class SessionTable:
         now: float,
         authorized: bool,
         key: str | None = None,
+        refusal: Callable[[bytes, ClientMessage, float], str | None] | None = None,
     ) -> Effects:
         """A control call (one of codec.CONTROL_MESSAGES).
 
         Refused with UNAUTHORIZED unless ``authorized`` (the server's policy), and without
-        a session. Otherwise the server makes the engine call in ``Effects.control`` and
-        answers when it is done; Pause(abort) first ends every live request with ABORT.
+        a session; with INVALID_REQUEST when ``refusal`` (the open weight update's rule)
+        says why it may not run. Otherwise the server makes the engine call in
+        ``Effects.control`` and answers when it is done; Pause(abort) first ends every live
+        request with ABORT.
         """
         client = self._clients.get(client_id)
         if client is not None:
@@ -352,6 +355,9 @@ class SessionTable:
             return Effects(replies=[(client_id, error)])
         if problem := _control_problem(msg):
             error = Error(None, ErrorCode.INVALID_MESSAGE, problem, call_id)
+            return Effects(replies=[(client_id, error)])
+        if refusal is not None and (problem := refusal(client_id, msg, now)):
+            error = Error(None, ErrorCode.INVALID_REQUEST, problem, call_id)
             return Effects(replies=[(client_id, error)])
         effects = Effects()
         # ``paused`` changes when the engine call succeeds (control.control_reply).
@@ -838,7 +844,7 @@ class SessionTable:
             sample.logprobs,
             sample.prompt_logprobs,
             sample.index,
-            sample.version if sample.token_ids else None,
+            _version_of_tokens(sample, len(sample.token_ids)) if sample.token_ids else None,
         )
 
     def _retire(self, request: _Request, sample: _Sample) -> None:
@@ -1052,12 +1058,24 @@ class SessionTable:
 
 
 def _version_news(sample: _Sample) -> str | None:
-    """The weight version to name on an output of ``sample`` that carries tokens: its
-    tokens' version when the client has not been told it yet, else None (unchanged)."""
-    if sample.version == sample.sent_version:
+    """The weight version to name on an output of ``sample`` that carries tokens: the
+    version of its last token when the client has not been told it yet, else None
+    (unchanged). Not always the latest: a stop sequence may cut the tokens of a newer one."""
+    version = _version_of_tokens(sample, sample.output_tokens)
+    if version == sample.sent_version:
         return None
-    sample.sent_version = sample.version
-    return sample.version
+    sample.sent_version = version
+    return version
+
+
+def _version_of_tokens(sample: _Sample, count: int) -> str | None:
+    """The version of the last of ``sample``'s first ``count`` tokens (None: not known)."""
+    version = None
+    for name, first in sample.versions:
+        if first >= count:
+            break
+        version = name
+    return version
 
 
 def _spans(starts: list[tuple[str, int]], output_tokens: int) -> list[WeightVersionSpan]:

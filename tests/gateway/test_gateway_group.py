@@ -67,8 +67,15 @@ async def started(pool: GatewayPool, prompt: list[int]):
 async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_process, tmp_path):
     from tests.lora_adapter import make_tiny_lora
 
+    args = long_context_args(tmp_path)
     supervisor = gateway_process(
-        *long_context_args(tmp_path), "--gateway-count", "2", "--enable-lora", "--control-open"
+        *args,
+        "--gateway-count",
+        "2",
+        "--enable-lora",
+        "--control-open",
+        "--weight-transfer-config",
+        '{"backend": "cpu"}',
     )
     addresses = group_addresses(supervisor)
     async with pool_on(addresses) as pool:
@@ -84,6 +91,20 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
             (await c.complete([7, 8, 9], GREEDY, options=mine)).token_ids for c in pool.clients
         ]
         assert tuned[0] != tuned[1] and results[0].token_ids not in tuned
+        # A weight update through gateway 0 (the model's own tensors, named "v2"): gateway 1
+        # serves it, under that version, and both adapters still serve their own weights.
+        from client.weight_sync import asend_weights
+        from tests.weight_trainer import checkpoint_tensors
+
+        tensors = checkpoint_tensors(args[0])
+        done = await asend_weights(pool.clients[0], tensors, version="v2")
+        assert done.result["layers_updated"] == done.result["layers"] > 0
+        seen = await pool.clients[1].complete([7, 8, 9], GREEDY)
+        assert seen.token_ids == results[1].token_ids
+        assert [s.version for s in seen.weight_versions] == ["v2"]
+        assert [
+            (await c.complete([7, 8, 9], GREEDY, options=mine)).token_ids for c in pool.clients
+        ] == tuned
         streams = [pool.generate([3 + i], UNENDING) for i in range(4)]
         for stream in streams:
             await anext(stream)

@@ -539,6 +539,19 @@ def test_the_table_matches_the_reference_model_on_long_random_runs(ops):
     run_operations(sessions_module.SessionTable, ops)
 
 
+def test_a_stop_sequence_cutting_a_newer_versions_tokens_names_the_version_kept():
+    """Found by the run above: token 45 came from a step without a version, the stop
+    sequence [7, 8] from a step of version "a"; the output releasing only 45 named "a"."""
+    run_operations(
+        sessions_module.SessionTable,
+        [
+            ("generate", b"A", 1, False, 2, True, False),
+            ("step", [(45, 1, False)], None),
+            ("step", [(7, 2, True)], "a"),
+        ],
+    )
+
+
 # ---------------------------------------------------------------- planted bugs
 
 MUTANTS = {
@@ -566,16 +579,18 @@ MUTANTS = {
         "            if now - client.last_seen > client.heartbeat_timeout_s:",
         "            if False:",
     ),
-    "stop sequence not cut": (
-        "                cut_to = check.kept\n",
-        "                cut_to = None\n",
+    # (Not "cut_to = None": with stop sequences held back, as here, the cut changes no
+    # count; it was "caught" only through a version-telling bug, since fixed.)
+    "the engine not told of a stop sequence's end": (
+        "                    abort.append(sample.engine_request_id)  # the engine would go on",
+        "                    pass",
     ),
     "pause(abort) ends nothing": (
         'if isinstance(msg, Pause) and msg.mode == "abort":',
         "if False:",
     ),
     "a held-back version never told": (
-        "    sample.sent_version = sample.version\n    return sample.version",
+        "    sample.sent_version = version\n    return version",
         "    return None",
     ),
     "deadlines off": (

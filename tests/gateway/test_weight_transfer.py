@@ -122,6 +122,9 @@ async def test_a_trainer_process_sends_model_b_and_the_gateway_serves_it_as_offl
     offline LLM.generate on B, also through a LoRA adapter loaded before the update; a
     request kept across the update reports two version spans."""
     await client.load_lora("style", adapter)
+    long_prompt = [(7 * i) % 500 + 3 for i in range(300)]  # two whole 128-token blocks
+    await client.complete(long_prompt, greedy(1))
+    assert (await client.complete(long_prompt, greedy(1))).cached_tokens >= 256
     try:
         old = (await client.complete(PROMPT, greedy(4))).weight_versions[0].version
         across = asyncio.ensure_future(collect(client, [3, 3, 3], greedy(200), "x"))
@@ -142,6 +145,9 @@ async def test_a_trainer_process_sends_model_b_and_the_gateway_serves_it_as_offl
         after = await client.complete(PROMPT, greedy(24))
         assert after.token_ids == offline_b[0] != client.model_a
         assert [s.version for s in after.weight_versions] == ["policy-b"]
+        # No KV of model A is reused under B; B's own blocks are.
+        assert (await client.complete(long_prompt, greedy(1))).cached_tokens == 0
+        assert (await client.complete(long_prompt, greedy(1))).cached_tokens >= 256
         # vLLM's finish_weight_update drops every adapter; the gateway's still serves.
         tuned = await client.complete(
             LORA_PROMPT, greedy(24), options=RequestOptions(lora_name="style")
@@ -285,16 +291,28 @@ async def test_a_stalled_update_is_ended_and_the_old_weights_serve_on(client, sm
 
 
 async def test_an_open_update_belongs_to_its_session(client, small_gateway):
+    bystander = asyncio.ensure_future(collect(client, [5, 6], greedy(300), "held"))
+    await until(lambda: tokens_so_far(client, "held") >= 5)
     async with RecordingClient(small_gateway.addresses[0], name="other") as other:
         await client.start_weight_update()
         try:
-            for call in (other.finish_weight_update(), other.pause("keep"), client.resume()):
+            calls = (
+                other.finish_weight_update(),
+                other.pause("keep"),
+                other.pause("abort"),  # would end every request: refused before that
+                client.resume(),
+                client.start_weight_update(),
+            )
+            for call in calls:
                 with pytest.raises(RequestFailed) as info:
                     await call
                 assert info.value.code is ErrorCode.INVALID_REQUEST
+                assert "weight update" in info.value.message
+            assert (await other.stats()).gateway["live_requests"] >= 1  # reads are answered
         finally:
             done = await client.finish_weight_update()
     assert done.result["layers_updated"] == 0  # nothing sent: every layer kept its weights
+    assert (await bystander).finish_reason is FinishReason.LENGTH
 
 
 async def test_weight_transfer_is_refused_to_unauthorized_clients_and_without_a_backend(
