@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+_TRANSFER_FLAGS = ("--weight-transfer-config", '{"backend": "cpu"}')
 
 
 def model_path(name: str) -> str:
@@ -52,110 +53,109 @@ def load_tensors(path: str) -> list[tuple[str, object]]:
     return list(tensors.items())
 
 
-async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str) -> dict:
-    from safetensors.torch import save_file
-
+async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str, http: bool) -> dict:
+    """The gateway's rounds (``python -m gateway serve``; in memory, then from disk), then
+    vLLM's HTTP routes' rounds (``vllm serve``); each server alone on the machine (two idle
+    CPU engines side by side slow each other's updates several-fold on 2 cores), after one
+    round not counted. The trainer is this process."""
+    from bench.targets import EngineSetup, GatewayServer
     from client import AsyncClient
-    from client.weight_sync import shared_memory_buckets
-    from gateway.auth import ControlPolicy
-    from gateway.server import Gateway
-    from gateway.vllm import VllmEngine, default_engine_args
 
-    args = default_engine_args(
-        path,
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
-        max_model_len=512,
-        weight_transfer_config={"backend": "cpu"},
-    )
+    setup = EngineSetup(max_model_len=512, extra_flags=_TRANSFER_FLAGS)
     tensors = load_tensors(path)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-    engine = await VllmEngine.start(args)
-    folder = tempfile.mkdtemp(prefix="eg-wu-")
-    gateway = Gateway(engine, f"ipc://{folder}/gw.sock", control=ControlPolicy(open=True))
-    serving = asyncio.ensure_future(gateway.serve())
-    memory: list[dict] = []
-    disk: list[dict] = []
+    result: dict = {"bytes": nbytes, "tensors": len(tensors), "memory": [], "disk": []}
+    server = GatewayServer(path, extra_flags=("--control-open",), setup=setup)
     try:
-        await gateway.ready.wait()
-        async with AsyncClient(gateway.addresses[0], name="bench-trainer") as gw:
+        async with AsyncClient(
+            server.ipc, name="bench-trainer", connect_timeout_s=300, heartbeat_interval_s=5.0
+        ) as gw:
             await gw.init_weight_transfer_engine({})
-            for round_ in range(rounds):
-                t0 = time.perf_counter()
-                await gw.pause("keep")
-                await gw.start_weight_update()
-                t1 = time.perf_counter()
-                with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes) as buckets:
-                    for info in buckets:
-                        await gw.update_weights(info)
-                t2 = time.perf_counter()
-                done = await gw.finish_weight_update(f"mem-{round_}")
-                await gw.resume()
-                t3 = time.perf_counter()
-                assert done.result["layers_updated"] == done.result["layers"], done.result
-                memory.append(
-                    {"start": t1 - t0, "transfer": t2 - t1, "finish": t3 - t2, "total": t3 - t0}
-                )
-                checkpoint = Path(disk_dir) / f"eg-ckpt-{round_}"
-                t0 = time.perf_counter()
-                checkpoint.mkdir(parents=True, exist_ok=True)
-                save_file(dict(tensors), checkpoint / "model.safetensors")
-                os.sync()
-                t1 = time.perf_counter()
-                await gw.pause("keep")
-                await gw.reload_weights(str(checkpoint), version=f"disk-{round_}")
-                await gw.resume()
-                t2 = time.perf_counter()
-                shutil.rmtree(checkpoint)
-                disk.append({"write": t1 - t0, "reload": t2 - t1, "total": t2 - t0})
+            # In memory first: a checkpoint write leaves gigabytes of dirty pages behind.
+            memory = [await _in_memory(gw, tensors, bucket_bytes, r) for r in range(rounds + 1)]
+            disk = [await _from_disk(gw, tensors, disk_dir, r) for r in range(rounds + 1)]
+            result["memory"], result["disk"] = memory[1:], disk[1:]  # the first warms up
     finally:
-        gateway.stop()
-        await asyncio.gather(serving, return_exceptions=True)
-        await engine.aclose()
-        shutil.rmtree(folder, ignore_errors=True)
-    return {"bytes": nbytes, "tensors": len(tensors), "memory": memory, "disk": disk}
+        server.stop()
+    if http:
+        target = _http_target(path)
+        try:
+            await target.start()
+            rows = [
+                await asyncio.to_thread(_http_round, target.base, tensors, bucket_bytes, r)
+                for r in range(rounds + 1)
+            ]
+            result["vllm-http"] = rows[1:]
+        finally:
+            await target.stop()
+    return result
 
 
-async def http_side(path: str, rounds: int, bucket_bytes: int) -> list[dict]:
-    """The same in-memory update through vLLM's dev-mode HTTP routes."""
+async def _in_memory(gw, tensors: list, bucket_bytes: int, round_: int) -> dict:  # noqa: ANN001
+    from client.weight_sync import shared_memory_buckets
+
+    t0 = time.perf_counter()
+    await gw.pause("keep")
+    await gw.start_weight_update()
+    t1 = time.perf_counter()
+    with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes) as buckets:
+        for info in buckets:
+            await gw.update_weights(info)
+    t2 = time.perf_counter()
+    done = await gw.finish_weight_update(f"mem-{round_}")
+    await gw.resume()
+    t3 = time.perf_counter()
+    assert done.result["layers_updated"] == done.result["layers"], done.result
+    return {"start": t1 - t0, "transfer": t2 - t1, "finish": t3 - t2, "total": t3 - t0}
+
+
+async def _from_disk(gw, tensors: list, disk_dir: str, round_: int) -> dict:  # noqa: ANN001
+    from safetensors.torch import save_file
+
+    checkpoint = Path(disk_dir) / f"eg-ckpt-{round_}"
+    t0 = time.perf_counter()
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    save_file(dict(tensors), checkpoint / "model.safetensors")
+    os.sync()
+    t1 = time.perf_counter()
+    await gw.pause("keep")
+    await gw.reload_weights(str(checkpoint), version=f"disk-{round_}")
+    await gw.resume()
+    t2 = time.perf_counter()
+    shutil.rmtree(checkpoint)
+    return {"write": t1 - t0, "reload": t2 - t1, "total": t2 - t0}
+
+
+def _http_target(path: str):  # noqa: ANN202
     from bench.targets import EngineSetup, HttpTarget
 
-    setup = EngineSetup(
-        max_model_len=512, extra_flags=("--weight-transfer-config", '{"backend": "cpu"}')
-    )
-    target = HttpTarget(path, dev_mode=True, setup=setup)
-    try:
-        await target.start()
-        return await asyncio.to_thread(_http_rounds, target.base, path, rounds, bucket_bytes)
-    finally:
-        await target.stop()
+    setup = EngineSetup(max_model_len=512, extra_flags=_TRANSFER_FLAGS)
+    return HttpTarget(path, dev_mode=True, setup=setup)
 
 
-def _http_rounds(base: str, path: str, rounds: int, bucket_bytes: int) -> list[dict]:
-    """Blocking, as vLLM's HTTPVLLMWeightSyncClient (requests) is."""
+def _http_round(base: str, tensors: list, bucket_bytes: int, round_: int) -> dict:
+    """The same in-memory update through vLLM's dev-mode HTTP routes, blocking, as vLLM's
+    HTTPVLLMWeightSyncClient (requests) is."""
     import requests
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from client.weight_sync import shared_memory_buckets
 
-    tensors = load_tensors(path)
     http = HTTPVLLMWeightSyncClient(base, timeout=600)
-    http.init_weight_transfer_engine({})
-    rows: list[dict] = []
-    for round_ in range(rounds):
-        t0 = time.perf_counter()
-        requests.post(f"{base}/pause?mode=keep", timeout=60).raise_for_status()
-        http.start_weight_update()
-        t1 = time.perf_counter()
-        with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes) as buckets:
-            for info in buckets:
-                http.update_weights(info)
-        t2 = time.perf_counter()
-        http.finish_weight_update(f"http-{round_}")
-        requests.post(f"{base}/resume", timeout=60).raise_for_status()
-        t3 = time.perf_counter()
-        rows.append({"start": t1 - t0, "transfer": t2 - t1, "finish": t3 - t2, "total": t3 - t0})
-    return rows
+    if round_ == 0:
+        http.init_weight_transfer_engine({})
+    t0 = time.perf_counter()
+    requests.post(f"{base}/pause?mode=keep", timeout=60).raise_for_status()
+    http.start_weight_update()
+    t1 = time.perf_counter()
+    with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes) as buckets:
+        for info in buckets:
+            http.update_weights(info)
+    t2 = time.perf_counter()
+    http.finish_weight_update(f"http-{round_}")
+    requests.post(f"{base}/resume", timeout=60).raise_for_status()
+    t3 = time.perf_counter()
+    return {"start": t1 - t0, "transfer": t2 - t1, "finish": t3 - t2, "total": t3 - t0}
 
 
 def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
@@ -169,14 +169,15 @@ def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
         "",
         f"`python -m bench.weight_update --model {name} --rounds {args.rounds}`"
         f" (buckets of {args.bucket_bytes >> 20} MiB, checkpoint written to {args.disk_dir}),"
-        " medians; CPU engine, each update between Pause(keep) and Resume.",
+        " medians after a round not counted; CPU engine, each update between Pause(keep) and"
+        " Resume; the gateway's rounds, then vLLM's server's (each alone on the machine).",
         "",
         "| path | total | parts |",
         "|---|---:|---|",
-        f"| in memory (`cpu` backend) | {median(mem, 'total'):.0f} | start"
+        f"| gateway, in memory (`cpu` backend) | {median(mem, 'total'):.0f} | start"
         f" {median(mem, 'start'):.0f}, transfer {median(mem, 'transfer'):.0f}, finish"
         f" {median(mem, 'finish'):.0f} |",
-        f"| ReloadWeights from disk | {median(disk, 'total'):.0f} | write"
+        f"| gateway, ReloadWeights from disk | {median(disk, 'total'):.0f} | write"
         f" {median(disk, 'write'):.0f}, reload {median(disk, 'reload'):.0f} |",
         *(
             [
@@ -188,9 +189,15 @@ def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
             else []
         ),
         "",
-        f"In memory: {median(disk, 'total') / median(mem, 'total'):.1f}x faster;"
-        f" {result['bytes'] / median(mem, 'transfer') * 1000 / 2**30:.2f} GiB/s through the"
-        " transfer.",
+        f"In memory through the gateway: {median(mem, 'total') / median(disk, 'total'):.2f}x"
+        " the time of a checkpoint write and reload"
+        + (
+            f", {median(mem, 'total') / median(http, 'total'):.2f}x that of vLLM's HTTP routes"
+            if http
+            else ""
+        )
+        + f"; {result['bytes'] / median(mem, 'transfer') * 1000 / 2**30:.2f} GiB/s through"
+        " the transfer.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -206,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = model_path(args.model)
-    result = asyncio.run(measure(path, args.rounds, args.bucket_bytes, args.disk_dir))
-    if not args.no_http:
-        result["vllm-http"] = asyncio.run(http_side(path, args.rounds, args.bucket_bytes))
+    result = asyncio.run(
+        measure(path, args.rounds, args.bucket_bytes, args.disk_dir, http=not args.no_http)
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"weight_update_{args.model}.json").write_text(json.dumps(result, indent=1))
     text = markdown(args.model, result, args)
