@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -12,7 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client import AsyncClient
+from client import AsyncClient, SamplingParams
+from client.results import Accumulator
 from codec import Error, ErrorCode, Outputs, RequestOutput, ServerMessage
 from gateway.engine import EngineInfo
 from gateway.fake_engine import FakeEngine, FakeOutput
@@ -225,3 +227,33 @@ def kill_all(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+# ---- streams on a real engine, watched as they run (RecordingClient's frames)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def collect(client, prompt, sampling, request_id=None):  # noqa: ANN001, ANN201
+    """A streamed request's Completion (``tokens_so_far`` sees its tokens as they come)."""
+    acc = Accumulator()
+    async for out in client.generate(prompt, sampling, request_id=request_id):
+        acc.add(out)
+    (completion,) = acc.done.values()
+    return completion
+
+
+def tokens_so_far(client: RecordingClient, request_id: str) -> int:
+    """Tokens ``request_id`` has streamed to ``client`` so far."""
+    return sum(
+        len(o.new_token_ids) for f in client.frames for o in f.outputs if o.request_id == request_id
+    )
+
+
+async def until(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Wait until ``predicate()`` holds (TimeoutError after ``timeout`` seconds)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)

@@ -9,37 +9,12 @@ import contextlib
 
 import pytest
 
-from client import FinishReason, RequestFailed, SamplingParams
-from client.results import Accumulator
+from client import FinishReason, RequestFailed
 from codec import ErrorCode
 from tests.conftest import TEST_MAX_MODEL_LEN
-from tests.helpers import RecordingClient
+from tests.helpers import RecordingClient, collect, greedy, tokens_so_far, until
 
 pytestmark = pytest.mark.engine
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-async def collect(client, prompt, sampling, request_id=None):
-    acc = Accumulator()
-    async for out in client.generate(prompt, sampling, request_id=request_id):
-        acc.add(out)
-    (completion,) = acc.done.values()
-    return completion
-
-
-def tokens_so_far(client, request_id: str) -> int:
-    return sum(
-        len(o.new_token_ids) for f in client.frames for o in f.outputs if o.request_id == request_id
-    )
-
-
-async def until(predicate, timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 @pytest.fixture

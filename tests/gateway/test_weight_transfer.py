@@ -11,11 +11,10 @@ import sys
 
 import pytest
 
-from client import FinishReason, RequestFailed, RequestOptions, SamplingParams
-from client.results import Accumulator
+from client import FinishReason, RequestFailed, RequestOptions
 from codec import ErrorCode
 from tests.conftest import TEST_MAX_MODEL_LEN
-from tests.helpers import RecordingClient
+from tests.helpers import RecordingClient, collect, greedy, tokens_so_far, until
 from tests.offline_reference import ROOT, run_offline_reference
 from tests.weight_trainer import checkpoint_tensors
 
@@ -23,31 +22,6 @@ pytestmark = pytest.mark.engine
 
 PROMPT = [17, 18, 19, 20]
 LORA_PROMPT = [21, 22, 23]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-async def collect(client, prompt, sampling, request_id):
-    """A streamed request's Completion (``tokens_so_far`` sees its tokens as they come)."""
-    acc = Accumulator()
-    async for out in client.generate(prompt, sampling, request_id=request_id):
-        acc.add(out)
-    (completion,) = acc.done.values()
-    return completion
-
-
-def tokens_so_far(client, request_id: str) -> int:
-    return sum(
-        len(o.new_token_ids) for f in client.frames for o in f.outputs if o.request_id == request_id
-    )
-
-
-async def until(predicate, timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
