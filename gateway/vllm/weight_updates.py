@@ -22,11 +22,12 @@ how many elements each layer takes) comes from a dry run of the model's own
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load
+from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
 
 logger = logging.getLogger(__name__)
 
@@ -171,29 +172,16 @@ def _end(worker: Any, model: Any) -> None:
             release()
 
 
-class _counting:
+def _counting(progress: _Progress) -> contextlib.AbstractContextManager[None]:
     """Within: each layer vLLM's layerwise reload gives new weights is added to
     ``progress.updated``."""
+    updated = progress.updated
 
-    def __init__(self, progress: _Progress):
-        self._progress = progress
+    def counted(process: Any, layer: Any, info: Any) -> None:
+        process(layer, info)
+        updated.add(id(layer))
 
-    def __enter__(self) -> None:
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        self._process = process = layerwise._layerwise_process
-        updated = self._progress.updated
-
-        def counted(layer: Any, info: Any) -> None:
-            process(layer, info)
-            updated.add(id(layer))
-
-        layerwise._layerwise_process = counted
-
-    def __exit__(self, *exc: object) -> None:
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        layerwise._layerwise_process = self._process
+    return layer_processing(counted)
 
 
 def _loading_layers(model: Any) -> list[Any]:
