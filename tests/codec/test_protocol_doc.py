@@ -14,10 +14,12 @@ from codec import (
     ControlDone,
     Error,
     ErrorCode,
+    FinishWeightUpdate,
     Generate,
     Hello,
     Outputs,
     Pause,
+    UpdateWeights,
     decode_client,
     decode_server,
     encode,
@@ -38,7 +40,7 @@ def _dumps() -> list[tuple[list[bytes], object]]:
 
 
 def test_the_document_has_its_dumps():
-    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66, 7, 72]
+    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66, 7, 72, 20, 21]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -51,7 +53,7 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 
 def test_dumps_decode_to_the_described_messages():
     dumps = [frames for frames, _ in _dumps()]
-    hello, generate, outputs, abort, error, pause, done = dumps
+    hello, generate, outputs, abort, error, pause, done, update, finish = dumps
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
     g = decode_client(generate)
@@ -82,3 +84,14 @@ def test_dumps_decode_to_the_described_messages():
     (span,) = second.finished.weight_versions
     assert (span.version, span.first_token, span.num_tokens) == ("v1", 0, 12)
     assert second.finished.timings.finished_s == 12.5
+    u = decode_client(update)
+    assert isinstance(u, UpdateWeights) and u.call_id == 8
+    assert u.update_info == {
+        "buffer": "/dev/shm/w0",
+        "names": ["lm_head.weight"],
+        "dtype_names": ["bfloat16"],
+        "shapes": [[512, 128]],
+        "offsets": [0],
+    }
+    f = decode_client(finish)
+    assert isinstance(f, FinishWeightUpdate) and (f.call_id, f.version) == (9, "v2")
