@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
@@ -170,7 +171,8 @@ async def asend_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     directory: str = DEFAULT_DIRECTORY,
 ) -> ControlDone:
-    """``send_weights`` for an ``AsyncClient`` (bucket files are written on this thread)."""
+    """``send_weights`` for an ``AsyncClient``; bucket files are written off the event loop
+    (its heartbeats go on meanwhile)."""
     _check_pause(pause)
     await client.init_weight_transfer_engine({"directory": directory})
     if pause != "none":
@@ -180,7 +182,7 @@ async def asend_weights(
         with shared_memory_buckets(
             named_tensors, bucket_bytes=bucket_bytes, directory=directory
         ) as buckets:
-            for update_info in buckets:
+            while (update_info := await asyncio.to_thread(next, buckets, None)) is not None:
                 await client.update_weights(update_info)
         return await client.finish_weight_update(version)
     finally:
