@@ -154,6 +154,7 @@ def _merge(rounds: list[dict]) -> dict:
         "frontend_cores",
         "engine_cores",
         "engine_steps_per_s",
+        "engine_wait_ms_per_s",
         "frontend_cpu_s",
         "wall_s",
         "frames_per_request",
@@ -194,8 +195,8 @@ async def _measure(
         cpu_s = target.frontend_cpu_s() - cpu0
     if engine0 is None:
         return summarize(run, cpu_s)
-    engine_cpu, steps = target.engine_counters()
-    return summarize(run, cpu_s, engine_cpu - engine0[0], steps - engine0[1])
+    engine_cpu, steps, wait = target.engine_counters()
+    return summarize(run, cpu_s, engine_cpu - engine0[0], steps - engine0[1], wait - engine0[2])
 
 
 async def _interleaved(

@@ -1,5 +1,6 @@
-"""What a benchmark reads from a target's engine processes: their CPU time, and the
-steps the zero-compute executor counts (bench/zero_engine.py)."""
+"""What a benchmark reads from a target's engine processes: their CPU time, the time
+their threads sat runnable without a CPU (the kernel's schedstat), and the steps the
+zero-compute executor counts (bench/zero_engine.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ __all__ = [
     "STEPS_DIR_ENV",
     "ENGINE_PROCESS_TAGS",
     "engine_cpu_seconds",
+    "engine_wait_seconds",
     "frontend_cpu_seconds",
     "read_steps",
 ]
@@ -50,6 +52,21 @@ def _is_engine(label: str) -> bool:
 def engine_cpu_seconds(pid: int) -> float:
     """CPU seconds of the engine-core, worker and DP-coordinator processes under ``pid``."""
     return _tree_cpu_seconds(pid, _is_engine)
+
+
+def engine_wait_seconds(pid: int) -> float:
+    """Seconds the main threads of the engine processes under ``pid`` (the engine core's
+    busy loop, which schedules each step) spent runnable but not running: waiting for a
+    core (``/proc/PID/task/PID/schedstat``'s second field). On a box with fewer cores
+    than busy threads, this is engine time other threads took."""
+    total_ns = 0
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, OSError, ValueError, IndexError):
+                if _is_engine(_label(child)):
+                    schedstat = Path(f"/proc/{child.pid}/task/{child.pid}/schedstat")
+                    total_ns += int(schedstat.read_text().split()[1])
+    return total_ns / 1e9
 
 
 def frontend_cpu_seconds(pid: int) -> float:

@@ -82,18 +82,20 @@ def write_report(results: dict, stem: Path) -> str:
             "",
             "Where the CPU goes (medians over the rounds): frontend µs of CPU per output token "
             "and cores busy, the engine processes' cores busy (engine core, workers, DP "
-            "coordinator) and engine steps per second (zero-compute executor only).",
+            "coordinator), engine steps per second (zero-compute executor only), and the ms per "
+            "second the engine core's main thread (its busy loop) sat runnable without a core.",
             "",
             "| target | conc | output tok/s | frontend µs/token | frontend cores | "
-            "engine cores | engine steps/s |",
-            "|---|---|---|---|---|---|---|",
+            "engine cores | engine steps/s | engine wait ms/s |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(rows, key=lambda r: (r["concurrency"], r["target"])):
             lines.append(
                 f"| {r['target']} | {r['concurrency']} | {_f(r['output_tok_s'], '.0f')} | "
                 f"{_f(r.get('frontend_cpu_us_per_token'), '.1f')} | "
                 f"{_f(r.get('frontend_cores'), '.2f')} | {_f(r.get('engine_cores'), '.2f')} | "
-                f"{_f(r.get('engine_steps_per_s'), '.0f')} |"
+                f"{_f(r.get('engine_steps_per_s'), '.0f')} | "
+                f"{_f(r.get('engine_wait_ms_per_s'), '.0f')} |"
             )
     lines += _scale_lines(rows, direct, baseline)
     poisson = [r for r in results["rows"] if r["mode"] == "poisson"]

@@ -30,10 +30,12 @@ def summarize(
     cpu_s: float | None,
     engine_cpu_s: float | None = None,
     engine_steps: int | None = None,
+    engine_wait_s: float | None = None,
 ) -> dict:
     """One row of results; ``cpu_s`` is the frontend process's CPU time during the run,
     ``engine_cpu_s`` its engine processes' (engine core, workers, DP coordinator), and
-    ``engine_steps`` the engine steps (counted by the zero-compute executor only)."""
+    ``engine_steps`` the engine steps (counted by the zero-compute executor only), and
+    ``engine_wait_s`` the time the engine processes' threads sat runnable without a core."""
     ok = [r for r in run.records if r.error is None and r.end is not None]
     tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
@@ -63,5 +65,8 @@ def summarize(
         if (engine_cpu_s is not None and run.wall_s)
         else None,
         "engine_steps_per_s": engine_steps / run.wall_s if (engine_steps and run.wall_s) else None,
+        "engine_wait_ms_per_s": engine_wait_s / run.wall_s * 1e3
+        if (engine_wait_s is not None and run.wall_s)
+        else None,
         "ttft_samples_ms": [x * 1e3 for x in ttft],
     }

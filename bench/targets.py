@@ -30,6 +30,7 @@ from client import AsyncClient, SamplingParams
 from .engine_counters import (
     STEPS_DIR_ENV,
     engine_cpu_seconds,
+    engine_wait_seconds,
     frontend_cpu_seconds,
     read_steps,
 )
@@ -161,9 +162,11 @@ class _Process:
     def pid(self) -> int:
         return self.proc.pid
 
-    def engine_counters(self) -> tuple[float, int]:
-        """(engine CPU seconds, engine steps) so far: see bench/engine_counters.py."""
-        return engine_cpu_seconds(self.pid), read_steps(self.steps_dir)
+    def engine_counters(self) -> tuple[float, int, float]:
+        """(engine CPU seconds, engine steps, engine seconds waiting for a core) so far:
+        see bench/engine_counters.py."""
+        pid = self.pid
+        return engine_cpu_seconds(pid), read_steps(self.steps_dir), engine_wait_seconds(pid)
 
     def tail(self) -> str:
         return self.log_path.read_text()[-3000:]
@@ -265,7 +268,7 @@ class GatewayTarget:
     def frontend_cpu_s(self) -> float:
         return _cpu_seconds(self.server.process.pid)
 
-    def engine_counters(self) -> tuple[float, int]:
+    def engine_counters(self) -> tuple[float, int, float]:
         return self.server.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -341,7 +344,7 @@ class HttpTarget:
     def frontend_cpu_s(self) -> float:
         return frontend_cpu_seconds(self.process.pid)
 
-    def engine_counters(self) -> tuple[float, int]:
+    def engine_counters(self) -> tuple[float, int, float]:
         return self.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -429,7 +432,7 @@ class GrpcTarget:
     def frontend_cpu_s(self) -> float:
         return _cpu_seconds(self.process.pid)
 
-    def engine_counters(self) -> tuple[float, int]:
+    def engine_counters(self) -> tuple[float, int, float]:
         return self.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -573,9 +576,10 @@ class DirectTarget:
         )
         await self._result()
 
-    def engine_counters(self) -> tuple[float, int]:
+    def engine_counters(self) -> tuple[float, int, float]:
         assert self._proc is not None
-        return engine_cpu_seconds(self._proc.pid), read_steps(self._log_path.parent)
+        pid = self._proc.pid
+        return engine_cpu_seconds(pid), read_steps(self._log_path.parent), engine_wait_seconds(pid)
 
     async def _result(self) -> dict:
         assert self._proc is not None and self._proc.stdout is not None
@@ -684,7 +688,7 @@ class GatewayPoolTarget:
     def frontend_cpu_s(self) -> float:
         return frontend_cpu_seconds(self.server.process.pid)
 
-    def engine_counters(self) -> tuple[float, int]:
+    def engine_counters(self) -> tuple[float, int, float]:
         return self.server.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
