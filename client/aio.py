@@ -53,6 +53,8 @@ from codec import (
     Pause,
     Ping,
     Pong,
+    PrefixQuery,
+    PrefixReply,
     ProtocolError,
     ReloadWeights,
     RequestOptions,
@@ -472,6 +474,16 @@ class AsyncClient(CompletionCalls):
     async def health(self) -> HealthReply:
         return await self._call(GetHealth)
 
+    async def prefix_query(
+        self, prompt_token_ids: Sequence[int], options: RequestOptions | None = None
+    ) -> PrefixReply:
+        """Per data-parallel rank, how many of the prompt's leading tokens a request would
+        find in that rank's prefix cache (``matched_tokens``; None where the gateway's
+        index of that rank is not usable now). Needs ``--routing cache`` on the gateway
+        for figures; ``options``: the ``lora_name`` and ``cache_salt`` the request would
+        carry (they are part of vLLM's block hash)."""
+        return await self._call(PrefixQuery, list(prompt_token_ids), options)
+
     # ------------------------------------------------------------ control plane
     # Allowed only to clients the operator named (--control-key / --control-open);
     # others get RequestFailed with ErrorCode.UNAUTHORIZED.
@@ -751,7 +763,7 @@ class AsyncClient(CompletionCalls):
                 future.set_result(msg)
         elif kind is HelloAck:
             self._on_hello_ack(msg)
-        elif kind in (ModelInfoReply, HealthReply, ControlDone, StatsReply):
+        elif kind in (ModelInfoReply, HealthReply, ControlDone, StatsReply, PrefixReply):
             future = self._calls.pop(msg.call_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)

@@ -3,11 +3,18 @@ gateways in front of separate engines), spreading requests and failing over.
 
 Each address gets its own AsyncClient (its own session, heartbeats and reconnects).
 A request goes to the connected gateway with the fewest requests this pool has in
-flight there (ties rotate). A gateway that is gone is skipped until its client has
-a session again; requests already in flight on it fail with the retryable
-SessionLost (as with one AsyncClient): retrying through the pool sends them to a
-gateway that is up. A gateway that is down at ``connect`` is retried in the
-background.
+flight there (ties rotate): ``policy="load"``. With ``policy="cache"`` the pool first asks
+every connected gateway how much of the prompt its engines hold in their prefix caches
+(PrefixQuery, one round trip each, concurrently) and sends the request where the most
+tokens are cached, unless that gateway has more than ``1.5 * least + 8`` of this pool's
+requests in flight (then the least loaded takes it; the same balance guard as a gateway's
+``--routing cache``). A gateway that routes by cache itself picks the rank; to one that
+does not, the request goes pinned to the rank holding the prefix.
+
+A gateway that is gone is skipped until its client has a session again; requests
+already in flight on it fail with the retryable SessionLost (as with one AsyncClient):
+retrying through the pool sends them to a gateway that is up. A gateway that is down at
+``connect`` is retried in the background.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from codec import AbortAck, HealthReply, RequestOptions, RequestOutput, SamplingParams
 
 from ._compat import timeout as compat_timeout
@@ -29,6 +38,8 @@ from .results import CompletionCalls
 __all__ = ["GatewayPool", "PoolStream"]
 
 _RETRY_CONNECT_S = 1.0
+POOL_POLICIES = ("load", "cache")
+_GUARD_RATIO, _GUARD_SLACK = 1.5, 8  # a gateway's --routing cache balance guard
 logger = logging.getLogger("engine_gateway.client")
 
 
@@ -70,9 +81,12 @@ class GatewayPool(CompletionCalls):
     long a request waits for any gateway to be up).
     """
 
-    def __init__(self, addresses: Sequence[str], **client_kwargs: Any):
+    def __init__(self, addresses: Sequence[str], *, policy: str = "load", **client_kwargs: Any):
         if not addresses:
             raise ValueError("GatewayPool needs at least one address")
+        if policy not in POOL_POLICIES:
+            raise ValueError(f"policy must be one of {POOL_POLICIES}, got {policy!r}")
+        self.policy = policy
         self._client_kwargs = client_kwargs
         self.clients = [AsyncClient(address, **client_kwargs) for address in addresses]
         self._reconnect_timeout_s = client_kwargs.get("reconnect_timeout_s", 30.0)
@@ -155,6 +169,8 @@ class GatewayPool(CompletionCalls):
         if owner is not None and owner.is_live(request_id):
             raise ValueError(f"request id {request_id!r} is still live in this pool")
         client = await self._pick()
+        if self.policy == "cache":
+            client = await self._by_cache(stream, client)
         address = client.address
         self._starting[address] = self._starting.get(address, 0) + 1
         try:
@@ -187,6 +203,36 @@ class GatewayPool(CompletionCalls):
                     f" {self._reconnect_timeout_s}s"
                 )
             await asyncio.sleep(0.01)
+
+    async def _by_cache(self, stream: PoolStream, least_loaded: AsyncClient) -> AsyncClient:
+        """The gateway holding most of the prompt (PrefixQuery), within the balance guard;
+        pins the rank on a gateway that does not route by cache itself."""
+        prompt = stream._args[0]
+        options: RequestOptions | None = stream._kwargs.get("options")
+        if options is not None and options.data_parallel_rank is not None:
+            return least_loaded
+        up = [c for c in self.clients if c.connected]
+        replies = await asyncio.gather(
+            *(c.prefix_query(prompt, options) for c in up), return_exceptions=True
+        )
+        best, best_tokens, best_rank, best_routing = least_loaded, 0, None, "cache"
+        for client, reply in zip(up, replies, strict=True):
+            if isinstance(reply, BaseException):
+                continue
+            known = [(t, r) for r, t in enumerate(reply.matched_tokens) if t is not None]
+            tokens, rank = max(known, default=(0, None))
+            if tokens > best_tokens:
+                best, best_tokens, best_rank, best_routing = client, tokens, rank, reply.routing
+        if best_tokens == 0:
+            return least_loaded
+        if self._load(best) > _GUARD_RATIO * self._load(least_loaded) + _GUARD_SLACK:
+            return least_loaded
+        if best_routing != "cache" and best_rank is not None:
+            pinned = msgspec.structs.replace(
+                options or RequestOptions(), data_parallel_rank=best_rank
+            )
+            stream._kwargs = {**stream._kwargs, "options": pinned}
+        return best
 
     # ------------------------------------------------------------ requests
 

@@ -18,6 +18,7 @@ from codec import (
     AbortAck,
     HealthReply,
     ModelInfoReply,
+    PrefixReply,
     RequestOptions,
     RequestOutput,
     SamplingParams,
@@ -171,6 +172,12 @@ class Client:
 
     def health(self) -> HealthReply:
         return self._run(self._async.health())
+
+    def prefix_query(
+        self, prompt_token_ids: Sequence[int], options: RequestOptions | None = None
+    ) -> PrefixReply:
+        """See ``AsyncClient.prefix_query``."""
+        return self._run(self._async.prefix_query(prompt_token_ids, options))
 
     def close(self) -> None:
         if self._loop.is_running():

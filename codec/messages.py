@@ -180,6 +180,9 @@ class RequestOptions(
     # Gateway-side timeouts, seconds (PROTOCOL.md §7.10): finish reason TIMED_OUT.
     deadline_s: float | None = None  # from acceptance to the last sample's end
     stall_timeout_s: float | None = None  # longest wait for the next output
+    # Sticky placement over data-parallel ranks (--routing cache): a conversation or
+    # episode id; requests with one key go to one rank while no rank holds the prefix.
+    routing_key: str | None = None
 
 
 # ---------------------------------------------------------------- client -> gateway
@@ -360,6 +363,16 @@ class ShutdownWeightTransfer(_ClientBase, tag=22):
     call_id: int = 0
 
 
+class PrefixQuery(_ClientBase, tag=23):
+    """How many of the prompt's leading tokens each data-parallel rank holds in its prefix
+    cache (the gateway's index of vLLM's KV events; ``--routing cache``). Answered by
+    PrefixReply. ``options``: its ``lora_name`` and ``cache_salt`` are part of the hash."""
+
+    call_id: int = 0
+    prompt_token_ids: list[TokenId] = []
+    options: RequestOptions | None = None
+
+
 ClientMessage = (
     Hello
     | Generate
@@ -383,6 +396,7 @@ ClientMessage = (
     | UpdateWeights
     | FinishWeightUpdate
     | ShutdownWeightTransfer
+    | PrefixQuery
 )
 CONTROL_MESSAGES = (
     Pause,
@@ -636,6 +650,17 @@ class StatsReply(_ServerBase, tag=73):
     gateway: dict[str, int]
 
 
+class PrefixReply(_ServerBase, tag=74):
+    """Answers PrefixQuery: per rank, the prompt tokens a request would find cached there
+    (whole blocks, at most len - 1, as vLLM reuses them); nil where that rank's index is
+    not usable now (no KV events, a gap being refilled)."""
+
+    call_id: int
+    block_size: int  # 0 when no index
+    matched_tokens: list[int | None]
+    routing: str  # the gateway's --routing policy
+
+
 ServerMessage = (
     HelloAck
     | Outputs
@@ -647,6 +672,7 @@ ServerMessage = (
     | HealthReply
     | ControlDone
     | StatsReply
+    | PrefixReply
 )
 
 CLIENT_TAGS = {cls.__struct_config__.tag: cls for cls in ClientMessage.__args__}

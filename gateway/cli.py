@@ -33,6 +33,7 @@ from .preflight import (
     check_model,
     gateway_bind_addresses,
 )
+from .routing import ROUTING_POLICIES, RoutingConfig
 from .serve import EXIT_START_FAILED, gateway_version, run_gateway
 from .sessions import GatewayLimits
 
@@ -101,6 +102,17 @@ def _build_parser() -> argparse.ArgumentParser:
     # Token-only serving needs no tokenizer; --no-skip-tokenizer-init loads one.
     parser.set_defaults(model=None, skip_tokenizer_init=True)
     return parser
+
+
+def _guard(text: str) -> tuple[float, float]:
+    ratio, _, slack = text.partition(",")
+    try:
+        values = float(ratio), float(slack or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"RATIO,SLACK as two numbers, got {text!r}") from None
+    if not (values[0] >= 1.0 and values[1] >= 0.0):
+        raise argparse.ArgumentTypeError("RATIO must be at least 1 and SLACK at least 0")
+    return values
 
 
 def add_gateway_args(g: argparse._ActionsContainer) -> None:
@@ -215,6 +227,29 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         " this long; one whose session ended is ended at once (generation is held meanwhile)",
     )
     g.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="load",
+        help="where an unpinned request goes: load (vLLM's balancer), cache (the rank"
+        " holding most of its prompt in the prefix cache, from vLLM's KV events, with a"
+        " balance guard) or round-robin",
+    )
+    g.add_argument(
+        "--routing-prefix-weight",
+        type=bounded(float, 0.0, 1e6),
+        default=RoutingConfig.prefix_weight,
+        metavar="W",
+        help="cache: a whole-prompt hit is worth W queued requests of load",
+    )
+    g.add_argument(
+        "--routing-guard",
+        type=_guard,
+        default=(RoutingConfig.guard_ratio, RoutingConfig.guard_slack),
+        metavar="RATIO,SLACK",
+        help="cache: the least loaded rank takes a request when the chosen one's load"
+        " exceeds RATIO * least + SLACK (default %(default)s)",
+    )
+    g.add_argument(
         "--metrics-port",
         type=bounded(int, 0, 65535),
         default=None,
@@ -278,13 +313,21 @@ def _check_gateway_flags(argv: list[str]) -> None:
 
 def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     """The model check; returns vLLM's engine args and config (reads the model, starts nothing)."""
-    from .vllm import engine_args_from_namespace, engine_config
+    from .vllm import enable_kv_events, engine_args_from_namespace, engine_config
 
     check_model(args.model)
     if args.lora_module and not args.enable_lora:
         raise UsageError("--lora-module", "needs --enable-lora (vLLM's flag for LoRA adapters)")
+    if args.routing == "cache" and args.gateway_count > 1:
+        raise UsageError(
+            "--routing",
+            "cache needs one gateway (--gateway-count 1): the engines' KV events"
+            " have one subscriber",
+        )
     try:
         engine_args = engine_args_from_namespace(args)
+        if args.routing == "cache":
+            enable_kv_events(engine_args)
         count = args.gateway_count
         return engine_args, engine_config(engine_args, count, -1 if count > 1 else 0)
     except Exception as exc:  # vLLM's own words for a model or flag it cannot use

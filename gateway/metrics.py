@@ -42,6 +42,7 @@ class GatewayCounters(Protocol):
     needs no import of the server, which imports ``StepHistogram`` from here."""
 
     table: SessionTable
+    engine: object  # its routing_stats(), when it has one
     errors_by_code: Counter
     frames_sent: int
     frames_dropped: int
@@ -125,6 +126,10 @@ class GatewayCollector:
             value=table.queued_requests,
         )
         yield GaugeMetricFamily(p + "connected_clients", "Sessions", value=table.connected_clients)
+        routing_stats = getattr(gw.engine, "routing_stats", None)
+        routing = routing_stats() if routing_stats is not None else None
+        if routing is not None:
+            yield from _routing_families(p, routing)
         hist = gw.step_histogram
         buckets, running = [], 0
         for bound, n in zip((*_BUCKETS, float("inf")), hist.counts, strict=True):
@@ -136,6 +141,47 @@ class GatewayCollector:
             buckets=buckets,
             sum_value=hist.total,
         )
+
+
+def _routing_families(p: str, r: dict) -> Iterator:
+    """Rank routing (--routing): decisions by reason, the prefix index, its accuracy."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    decisions = CounterMetricFamily(
+        p + "routing_decisions", "Unpinned requests placed, by reason", labels=["reason"]
+    )
+    for reason, n in r["decisions"].items():
+        decisions.add_metric([reason], n)
+    yield decisions
+    per_rank = (
+        (GaugeMetricFamily, "prefix_index_blocks", "Block hashes the index holds", "index_blocks"),
+        (GaugeMetricFamily, "prefix_index_synced", "1: the index saw every event", "synced"),
+        (CounterMetricFamily, "kv_event_gaps", "Sequence gaps in KV events", "gaps"),
+        (CounterMetricFamily, "kv_event_restarts", "KV event streams restarted", "restarts"),
+        (CounterMetricFamily, "prefix_index_resets", "Index cleared: gap not refilled", "resets"),
+    )
+    for kind, name, text, key in per_rank:
+        family = kind(p + name, text, labels=["rank"])
+        for rank, value in enumerate(r[key]):
+            family.add_metric([str(rank)], float(value))
+        yield family
+    for name, text, key in (
+        ("kv_event_batches", "KV event batches applied", "event_batches"),
+        ("kv_event_replayed_batches", "Batches refilled from replay", "replayed_batches"),
+        ("kv_event_malformed_batches", "Batches that could not be read", "malformed_batches"),
+        ("routing_predictions", "Routed requests whose prefill was seen", "predictions"),
+        ("routing_exact_predictions", "...whose cached tokens were predicted exactly",
+         "exact_predictions"),
+        ("routing_predicted_cached_tokens", "Cached prompt tokens the index predicted",
+         "predicted_cached_tokens"),
+        ("routing_reported_cached_tokens", "Cached prompt tokens vLLM then reported",
+         "reported_cached_tokens"),
+    ):  # fmt: skip
+        yield CounterMetricFamily(p + name, text, value=r[key])
+    yield GaugeMetricFamily(
+        p + "kv_event_lag_seconds", "Now minus the engine's stamp on the last batch",
+        value=r["event_lag_s"],
+    )  # fmt: skip
 
 
 def start_metrics_server(

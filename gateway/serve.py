@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .parent_watch import parent_gone
 from .preflight import UsageError
+from .routing import RoutingConfig
 from .sessions import GatewayLimits
 
 __all__ = ["engines_dead_reason", "gateway_version", "limits_from_args", "run_gateway"]
@@ -111,6 +112,7 @@ async def run_gateway(
                 vllm_config=vllm_config,
                 engine_stats=args.engine_stats,
                 client_config=client_config,
+                routing=RoutingConfig.from_args(args),
             )
         except LoraModuleRefused as exc:  # the engine stopped again: a bad command line
             raise UsageError("--lora-module", str(exc)) from None

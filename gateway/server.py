@@ -193,6 +193,7 @@ class Gateway:
             gateway_version,
             engine_load=getattr(engine, "engine_load", None),
             engine_id_prefix=engine_id_prefix,
+            prefix_query=getattr(engine, "prefix_query", None),
         )
         self.addresses: list[str] = []
         self.ready = asyncio.Event()

@@ -57,8 +57,11 @@ from codec import (
     Pause,
     Ping,
     Pong,
+    PrefixQuery,
+    PrefixReply,
     ProtocolError,
     ReloadWeights,
+    RequestOptions,
     RequestOutput,
     RequestTimings,
     ServerMessage,
@@ -75,6 +78,11 @@ __all__ = ["GatewayLimits", "GatewayState", "Effects", "SessionTable", "Reply"]
 
 Reply = tuple[bytes, ServerMessage]
 logger = logging.getLogger("engine_gateway")
+
+# PrefixQuery: (prompt ids, options) -> (matched tokens per rank, block size, policy).
+PrefixQueryFn = Callable[[list[int], RequestOptions | None], tuple[list[int | None], int, str]]
+
+MAX_ROUTING_KEY_LEN = 256  # RequestOptions.routing_key (PROTOCOL.md section 3)
 
 
 def frame_limit_for(max_model_len: int) -> int:
@@ -214,11 +222,14 @@ class SessionTable:
         gateway_version: str = "0",
         engine_load: Callable[[], list[EngineLoad]] | None = None,
         engine_id_prefix: str = "g",
+        prefix_query: PrefixQueryFn | None = None,
     ):
         """``engine_id_prefix``: engine request ids are PREFIX1, PREFIX2, ...; gateways
-        sharing one engine group need distinct prefixes (vLLM refuses duplicate ids)."""
+        sharing one engine group need distinct prefixes (vLLM refuses duplicate ids).
+        ``prefix_query``: the engine's answer to PrefixQuery (None: UNSUPPORTED)."""
         self.info = info
         self._engine_load = engine_load or list
+        self._prefix_query = prefix_query
         self.limits = limits
         self.state = GatewayState.SERVING
         self.paused = False  # the engine's scheduler, by Pause until Resume
@@ -267,6 +278,7 @@ class SessionTable:
             Ping: self._on_ping,
             GetModelInfo: self._on_get_model_info,
             GetHealth: self._on_get_health,
+            PrefixQuery: self._on_prefix_query,
             # Control calls reach on_control (authorized or not) from the server; sent
             # through on_message they are refused.
             **{kind: self._on_unauthorized_control for kind in CONTROL_MESSAGES},
@@ -598,6 +610,11 @@ class SessionTable:
                 value = getattr(options, name)
                 if value is not None and not 0 < value < 1e9:  # nan and inf fail too
                     return f"{name} must be a number of seconds above 0, got {value}."
+            key = options.routing_key
+            if key is not None and len(key) > MAX_ROUTING_KEY_LEN:
+                return (
+                    f"routing_key must be at most {MAX_ROUTING_KEY_LEN} characters, got {len(key)}."
+                )
         return None
 
     def _overloaded(
@@ -660,6 +677,23 @@ class SessionTable:
             paused=self.paused,
             engines=self._engine_load(),
         )
+        return Effects(replies=[(client_id, reply)])
+
+    def _on_prefix_query(self, client_id: bytes, msg: PrefixQuery, now: float) -> Effects:
+        prompt, call_id = msg.prompt_token_ids, msg.call_id
+        limit = self.wire_limits.max_prompt_tokens
+        if self._prefix_query is None:
+            error = Error(None, ErrorCode.UNSUPPORTED, "this gateway has no engine", call_id)
+            return Effects(replies=[(client_id, error)])
+        if not prompt or len(prompt) > limit:
+            message = f"prompt_token_ids must hold 1 to {limit} ids, got {len(prompt)}"
+            error = Error(None, ErrorCode.INVALID_REQUEST, message, call_id)
+            return Effects(replies=[(client_id, error)])
+        try:
+            matched, block_size, policy = self._prefix_query(prompt, msg.options)
+        except RequestRejected as exc:
+            return Effects(replies=[(client_id, Error(None, exc.code, exc.message, call_id))])
+        reply = PrefixReply(call_id, block_size, matched, policy)
         return Effects(replies=[(client_id, reply)])
 
     # ------------------------------------------------------------ engine side

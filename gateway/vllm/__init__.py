@@ -2,15 +2,19 @@
 
 Rooms: ``args`` (engine arguments and config), ``launch`` (engine groups and process
 exits), ``engine`` (``VllmEngine``, the adapter the server talks to), ``outputs`` (vLLM's
-outputs for the wire), ``plugin`` (what runs inside vLLM's processes) and ``deaths``
-(worker-death reports between the two). vLLM is imported inside functions, so importing
-this package does not import it. Supported vLLM: ``SUPPORTED_VLLM`` (0.32.x).
+outputs for the wire), ``plugin`` (what runs inside vLLM's processes), ``deaths``
+(worker-death reports between the two), ``transfer``/``weight_updates``/``cpu_transfer``
+(in-memory weight updates), ``prefix_hashes`` and ``prefix_routing`` (prefix-cache routing
+over DP ranks: vLLM's block hashes, the router and the KV event feed wired in). vLLM is
+imported inside functions, so importing this package does not import it. Supported vLLM:
+``SUPPORTED_VLLM`` (0.32.x).
 """
 
 from .args import (
     SUPPORTED_VLLM,
     add_engine_cli_args,
     default_engine_args,
+    enable_kv_events,
     engine_args_from_namespace,
     engine_config,
     make_engine_parser,
@@ -28,6 +32,7 @@ __all__ = [
     "VllmEngine",
     "add_engine_cli_args",
     "default_engine_args",
+    "enable_kv_events",
     "engine_args_from_namespace",
     "engine_config",
     "launch_engine_group",

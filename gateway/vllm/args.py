@@ -105,3 +105,39 @@ def default_engine_args(model: str, **overrides: Any) -> Any:
     kwargs: dict[str, Any] = dict(model=model, skip_tokenizer_init=True)
     kwargs.update(overrides)
     return AsyncEngineArgs(**kwargs)
+
+
+KV_EVENTS_FOLDER_PREFIX = "eg-kv-"
+
+
+def enable_kv_events(engine_args: Any) -> None:
+    """Turn on vLLM's KV cache events for the gateway's prefix index, on local ipc sockets
+    in a fresh private folder: rank 0 publishes at ``ipc://FOLDER/kv`` and answers replay
+    requests at ``ipc://FOLDER/replay``; rank r > 0 at those paths plus ``_dp{r}`` (the
+    plugin's ipc offset: vLLM's own refuses ipc for rank > 0). Nothing leaves the host.
+    Call before ``engine_config``; refuses a ``--kv-events-config`` already given."""
+    import tempfile
+
+    from vllm.config.kv_events import KVEventsConfig
+
+    given = getattr(engine_args, "kv_events_config", None)
+    if given is not None and getattr(given, "enable_kv_cache_events", False):
+        raise ValueError(
+            "--routing cache sets the engines' KV event endpoints itself; leave out"
+            " --kv-events-config"
+        )
+    folder = tempfile.mkdtemp(prefix=KV_EVENTS_FOLDER_PREFIX)
+    engine_args.kv_events_config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"ipc://{folder}/kv",
+        replay_endpoint=f"ipc://{folder}/replay",
+        topic="kv",
+    )
+
+
+def ipc_endpoint_for_rank(endpoint: str | None, rank: int) -> str | None:
+    """Rank ``rank``'s copy of an ipc endpoint (the plugin's offset; vLLM offsets tcp ports)."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    return f"{endpoint}_dp{rank}"

@@ -25,6 +25,7 @@ from codec import SamplingParams as WireSamplingParams
 from ..engine import EngineControls, EngineInfo, sample_engine_request_id
 from ..errors import EngineDead, RequestRejected, SubmitFailed, WeightsIncomplete
 from ..process_exit import EXIT_POLL_S
+from ..routing import RoutingConfig
 from .args import cpu_attention_isa, engine_config
 from .deaths import death_report
 from .failures import engine_death_named as _engine_death_named
@@ -32,6 +33,7 @@ from .failures import engine_failure as _engine_failure
 from .failures import vllm_failure_text
 from .launch import EngineGroup, describe_exit, exiting, watch_output_socket
 from .outputs import ConvertedOutput, stopping_eos_token_ids, to_wire_logprobs
+from .prefix_routing import PrefixRouting
 from .transfer import WeightTransferControls
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ async def _files_call(operation: str, call: Awaitable[Any], engine_pids: Iterabl
         raise RequestRejected(f"{operation} failed: {text}") from exc
 
 
-class VllmEngine(WeightTransferControls, EngineControls):
+class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
     """A vLLM EngineCore in its own process, driven through AsyncMPClient."""
 
     def __init__(self, vllm_config: Any, client: Any, supported_tasks: tuple[str, ...]):
@@ -103,6 +105,7 @@ class VllmEngine(WeightTransferControls, EngineControls):
         self._stats: dict[int, EngineStats] = {}
         self.weight_version: str | None = None  # of the latest step, or of a control call
         self._prefix_counts: dict[int, tuple[int, int]] = {}
+        self._init_routing()
         self._closed = False
         self._watched: list[tuple[asyncio.AbstractEventLoop, int]] = []  # engine sentinels
         self._exit_poll: asyncio.TimerHandle | None = None
@@ -134,6 +137,7 @@ class VllmEngine(WeightTransferControls, EngineControls):
         vllm_config: Any = None,
         engine_stats: bool = False,
         client_config: dict[str, Any] | None = None,
+        routing: RoutingConfig | None = None,
     ) -> VllmEngine:
         """Start an EngineCore process for ``engine_args`` (vLLM's AsyncEngineArgs).
 
@@ -143,6 +147,8 @@ class VllmEngine(WeightTransferControls, EngineControls):
         ~9% of throughput on the 2-core CPU box (README).
         ``client_config``: from ``launch_engine_group``: attach to engines started there
         (this is one of several gateways) instead of starting them.
+        ``routing``: the rank policy for unpinned requests (gateway/routing.py; default
+        ``load``, vLLM's balancer); ``cache`` needs ``enable_kv_events`` on the args.
         """
         from vllm.v1.engine.core_client import EngineCoreClient
         from vllm.v1.executor import Executor
@@ -163,6 +169,7 @@ class VllmEngine(WeightTransferControls, EngineControls):
         try:
             tasks = tuple(await client.get_supported_tasks_async())
             engine = cls(vllm_config, client, tasks)
+            engine._start_routing(routing or RoutingConfig())
             # The version the first requests' cache salt names (later: from each step).
             engine.weight_version = await client.get_weight_version_async()
             if count > 1:
@@ -219,6 +226,7 @@ class VllmEngine(WeightTransferControls, EngineControls):
                 child_params.seed = params.seed + index  # vLLM's ParentRequest rule
             child.sampling_params = child_params
             children.append(child)
+        self._moved_prediction(engine_request_id, [child.request_id for child in children])
         return children
 
     async def add_requests(self, prepared: Sequence[Any]) -> None:
@@ -299,6 +307,8 @@ class VllmEngine(WeightTransferControls, EngineControls):
         if step.scheduler_stats is not None:
             self._note_stats(step.engine_index, step.scheduler_stats)
         outputs = step.outputs
+        if self._predicted:
+            self._note_prefill(outputs)
         for i, out in enumerate(outputs):
             if out.new_logprobs is not None or out.new_prompt_logprobs_tensors is not None:
                 outputs[i] = self._convert(out)
@@ -318,7 +328,12 @@ class VllmEngine(WeightTransferControls, EngineControls):
     async def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's reset_prefix_cache on every engine; its result (False: not reset)."""
         with _engine_death_named(self._engine_pids):
-            return bool(await self._client.reset_prefix_cache_async(reset_running))
+            reset = bool(await self._client.reset_prefix_cache_async(reset_running))
+        if reset:
+            # vLLM publishes its AllBlocksCleared with its next step's events, which an
+            # idle engine may not take for long: the index forgets the blocks now.
+            self._prefix_cache_cleared()
+        return reset
 
     async def reload_weights(self, path: str, version: str | None) -> dict[str, Any]:
         """vLLM's reload_weights from ``path`` on every worker, then a prefix-cache reset
@@ -560,6 +575,7 @@ class VllmEngine(WeightTransferControls, EngineControls):
         if not self._closed:
             self._closed = True
             self._stop_watching()
+            await self._stop_routing()
             self._client.shutdown()
             death_report(self._engine_pids, remove=True)  # if one was written
 
@@ -643,7 +659,9 @@ class VllmEngine(WeightTransferControls, EngineControls):
             )
         params._bad_words_token_ids = [list(word) for word in bad_words]
 
-    def _process(self, engine_request_id: str, request: Generate, params: Any) -> Any:
+    def _process(
+        self, engine_request_id: str, request: Generate, params: Any, route: bool = True
+    ) -> Any:
         from vllm.inputs.engine import tokens_input
 
         options = request.options
@@ -673,7 +691,42 @@ class VllmEngine(WeightTransferControls, EngineControls):
             data_parallel_rank=data_parallel_rank,
         )
         core_request.external_req_id = engine_request_id
+        if route:
+            self._route(core_request, options.routing_key if options is not None else None)
         return core_request
+
+    def prefix_query(
+        self, prompt_token_ids: list[int], options: Any
+    ) -> tuple[list[int | None], int, str]:
+        """PrefixQuery: per rank, the prompt's tokens cached there (``prefix_matches``),
+        the block size and the routing policy; the prompt is checked as a Generate's."""
+        matched, block_size = self.prefix_matches(self._query_request(prompt_token_ids, options))
+        policy = self.router.config.policy if self.router is not None else "load"
+        return matched, block_size, policy
+
+    def prompt_block_hashes(self, prompt_token_ids: list[int], options: Any = None) -> list[Any]:
+        """vLLM's block hashes of a request for this prompt (as KV events carry them);
+        empty without an index."""
+        hasher, index = self._hasher, self.prefix_index
+        if hasher is None or index is None:
+            return []
+        core_request = self._query_request(prompt_token_ids, options)
+        return hasher.block_hashes(core_request, index.block_size() or hasher.block_size)
+
+    def _query_request(self, prompt_token_ids: list[int], options: Any) -> Any:
+        """The EngineCoreRequest a Generate of this prompt would make (not routed)."""
+        from vllm.exceptions import VLLMValidationError
+
+        request = Generate("prefix-query", prompt_token_ids, False, WireSamplingParams(), options)
+        try:
+            self._check_token_ids(prompt_token_ids, "Token id {} is out of vocabulary")
+            params = self._sampling_params(request, len(prompt_token_ids))
+            params.detokenize = False
+            return self._process("prefix-query", request, params, route=False)
+        except RequestRejected:
+            raise
+        except (VLLMValidationError, ValueError, TypeError, OverflowError) as exc:
+            raise RequestRejected(str(exc)) from None
 
     def _cache_salt(self, client_salt: str | None, lora_load: int) -> str:
         """The cache salt vLLM gets: the weights this request is admitted under (the

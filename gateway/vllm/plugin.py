@@ -55,6 +55,10 @@ def load_vllm_plugin() -> None:
       (``_report_worker_deaths``): vLLM's EngineCore tells its clients only that it failed.
     - vLLM's processes under a gateway ignore a terminal's Ctrl-C, which the gateway
       drains on (``gateway.stop_signals``).
+    - KV cache events on ipc endpoints work with data parallelism: rank r > 0 publishes
+      at the endpoint plus ``_dp{r}`` (vLLM offsets tcp ports and refuses ipc), so the
+      gateway's prefix routing (``--routing cache``) keeps its events off the network
+      (``_offset_ipc_kv_event_endpoints``).
     - Weight updates through vLLM's weight-transfer API never leave a half-updated model
       serving unknowingly (``weight_updates``), and the ``cpu`` backend is registered
       (``cpu_transfer``: ``--weight-transfer-config '{"backend": "cpu"}'``).
@@ -67,11 +71,30 @@ def load_vllm_plugin() -> None:
     guard_weight_updates()
     _register_cpu_weight_transfer()
     _report_worker_deaths()
+    _offset_ipc_kv_event_endpoints()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         allow_amx_tiles()
         _keep_seeded_streams_across_chunked_prefill()
+
+
+def _offset_ipc_kv_event_endpoints() -> None:
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from .args import ipc_endpoint_for_rank
+
+    offset = ZmqEventPublisher.offset_endpoint_port
+    if getattr(offset, "engine_gateway", False):
+        return
+
+    def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+        if endpoint is not None and endpoint.startswith("ipc://"):
+            return ipc_endpoint_for_rank(endpoint, data_parallel_rank)
+        return offset(endpoint, data_parallel_rank)
+
+    offset_endpoint_port.engine_gateway = True  # type: ignore[attr-defined]
+    ZmqEventPublisher.offset_endpoint_port = staticmethod(offset_endpoint_port)
 
 
 def _register_cpu_weight_transfer() -> None:

@@ -68,6 +68,8 @@ EXPECTED_CODEC = {
     "UpdateWeights",
     "FinishWeightUpdate",
     "ShutdownWeightTransfer",
+    "PrefixQuery",
+    "PrefixReply",
     "ServerMessage",
 }
 

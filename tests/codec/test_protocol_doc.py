@@ -19,6 +19,8 @@ from codec import (
     Hello,
     Outputs,
     Pause,
+    PrefixQuery,
+    PrefixReply,
     UpdateWeights,
     decode_client,
     decode_server,
@@ -40,7 +42,7 @@ def _dumps() -> list[tuple[list[bytes], object]]:
 
 
 def test_the_document_has_its_dumps():
-    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66, 7, 72, 20, 21]
+    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66, 7, 72, 20, 21, 23, 74]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -53,7 +55,7 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 
 def test_dumps_decode_to_the_described_messages():
     dumps = [frames for frames, _ in _dumps()]
-    hello, generate, outputs, abort, error, pause, done, update, finish = dumps
+    hello, generate, outputs, abort, error, pause, done, update, finish, query, reply = dumps
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
     g = decode_client(generate)
@@ -95,3 +97,8 @@ def test_dumps_decode_to_the_described_messages():
     }
     f = decode_client(finish)
     assert isinstance(f, FinishWeightUpdate) and (f.call_id, f.version) == (9, "v2")
+    q = decode_client(query)
+    assert isinstance(q, PrefixQuery) and (q.call_id, q.prompt_token_ids) == (5, [1, 300, 70000])
+    r = decode_server(reply)
+    assert isinstance(r, PrefixReply)
+    assert (r.call_id, r.block_size, r.matched_tokens, r.routing) == (5, 32, [64, None], "cache")

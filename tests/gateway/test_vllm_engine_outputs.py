@@ -39,6 +39,7 @@ def engine_on(client: StandInClient) -> VllmEngine:
     engine._engine_pids = []
     engine._stats = {}
     engine.weight_version = None
+    engine._init_routing()
     return engine
 
 

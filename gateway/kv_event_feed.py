@@ -1,0 +1,179 @@
+"""Reads vLLM's KV cache events off every data-parallel rank into a ``PrefixIndex``.
+
+The engines publish with ``--kv-events-config`` endpoints the gateway chose
+(``gateway.vllm.args.enable_kv_events``: ipc sockets in a private folder); each reports
+its own (``get_kv_event_sources``). This feed's one SUB socket connects to every rank's
+PUB socket, and a DEALER to a rank's replay ROUTER when a gap needs refilling. A rank's
+publisher that disconnects (its engine died or restarts) resets that rank at once: its
+cache is gone, and a restarted publisher's sequence may pass the old one's before the
+feed hears it, which would otherwise read as a gap.
+
+Each frame is ``[topic, 8-byte big-endian sequence, msgpack EventBatch]``. A sequence
+jump is refilled from the rank's replay socket (send the first missing sequence; batches
+come back, then an end marker of sequence -1); while it refills, the rank is unsynced and
+routing on it falls back to load. If the replay buffer no longer holds the missing
+batches, or the replay does not answer within ``replay_timeout_s``, the rank is reset
+(cleared, synced again from the next batch). A sequence that goes back is a restarted
+publisher: the rank is reset. A malformed batch counts as a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from .prefix_index import EventBatch, PrefixIndex, decode_batch
+
+__all__ = ["KvEventFeed"]
+
+logger = logging.getLogger(__name__)
+
+_END_SEQ = -1
+
+
+class KvEventFeed:
+    """One SUB socket for every rank's events; a replay request per gap."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        publishers: list[str],
+        replay_addresses: list[str | None],
+        *,
+        context: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 2.0,
+    ):
+        self.index = index
+        self._replay_addresses = replay_addresses
+        self._ctx = context or zmq.asyncio.Context()
+        self._replay_timeout_s = replay_timeout_s
+        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.RCVHWM, 0)  # no drops here: lost batches are gaps
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for address in publishers:
+            self.sub.connect(address)
+        self._ranks_by_endpoint = {
+            address.encode(): rank for rank, address in enumerate(publishers)
+        }
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._task: asyncio.Task | None = None
+        self._monitor_task: asyncio.Task | None = None
+        self.batches = 0
+        self.malformed = 0
+        self.replayed = 0
+        self.lag_s = 0.0  # wall clock now minus the engine's stamp of the last batch
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+        self._monitor_task = asyncio.ensure_future(self._watch_disconnects())
+
+    async def aclose(self) -> None:
+        for task in (self._task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self.sub.disable_monitor()
+        self._monitor.close(linger=0)
+        self.sub.close(linger=0)
+
+    async def _watch_disconnects(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            rank = self._ranks_by_endpoint.get(event.get("endpoint", b""))
+            if rank is not None and event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.warning("KV events of rank %d: its publisher went away: index reset", rank)
+                self.index.reset(rank, restarted=True)
+
+    async def _run(self) -> None:
+        while True:
+            frames = await self.sub.recv_multipart()
+            try:
+                await self._on_frames(frames)
+            except Exception:  # never let the feed die: the index goes unsynced instead
+                logger.exception("a KV event batch could not be applied")
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.malformed += 1
+            return
+        _topic, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        try:
+            batch = decode_batch(payload)
+        except msgspec.DecodeError:
+            self.malformed += 1
+            return
+        rank = batch.data_parallel_rank or 0
+        if not 0 <= rank < len(self.index.ranks):
+            self.malformed += 1
+            return
+        self.batches += 1
+        self.lag_s = max(0.0, time.time() - batch.ts)
+        index = self.index
+        where = index.check_sequence(rank, seq)
+        if where == "restart":
+            logger.warning("KV events of rank %d restarted at %d: index reset", rank, seq)
+            index.reset(rank, restarted=True)
+        elif where == "gap":
+            index.note_gap(rank)
+            await self._refill(rank, seq)
+            if index.check_sequence(rank, seq) != "next":
+                return  # the refill reset the rank... and then the batch is old, or not
+        elif where == "old":
+            return
+        index.apply(rank, seq, batch)
+
+    async def _refill(self, rank: int, upto: int) -> None:
+        """Replay rank's batches from the first missing one up to ``upto`` (exclusive)."""
+        index = self.index
+        last = index.ranks[rank].last_seq
+        start = 0 if last is None else last + 1  # (None: never here, a reset takes any)
+        logger.warning(
+            "KV events of rank %d: batches %d..%d lost: replaying", rank, start, upto - 1
+        )
+        address = self._replay_addresses[rank]
+        if address is None:
+            logger.warning("KV events of rank %d: no replay endpoint: reset", rank)
+            index.reset(rank)
+            return
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(address)
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            replayed: list[tuple[int, EventBatch]] = []
+            while True:
+                if not await dealer.poll(self._replay_timeout_s * 1000):
+                    raise TimeoutError("the replay socket did not answer")
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4:
+                    raise ValueError("a malformed replay frame")
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == _END_SEQ:
+                    break
+                if seq < upto:
+                    replayed.append((seq, decode_batch(frames[3])))
+        except (TimeoutError, ValueError, msgspec.DecodeError, zmq.ZMQError) as exc:
+            logger.warning("KV events of rank %d could not be replayed (%s): reset", rank, exc)
+            index.reset(rank)
+            return
+        finally:
+            dealer.close(linger=0)
+        if not replayed or replayed[0][0] != start or replayed[-1][0] != upto - 1:
+            logger.warning("KV events of rank %d: the replay buffer lacks them: reset", rank)
+            index.reset(rank)
+            return
+        for seq, batch in replayed:
+            index.apply(rank, seq, batch)
+        self.replayed += len(replayed)
+        index.refilled(rank)

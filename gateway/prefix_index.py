@@ -1,0 +1,171 @@
+"""Which prompt blocks each data-parallel rank holds in its prefix cache (sans-IO).
+
+Fed by vLLM's KV cache events (``gateway.kv_event_feed`` reads them off the engines'
+publishers): ``BlockStored`` adds block hashes, ``BlockRemoved`` drops them,
+``AllBlocksCleared`` empties a rank. Each rank's batches carry a sequence number (per
+publisher process, from 0): a jump forward is a gap (a batch lost, e.g. at the high-water
+mark), a step back is a restarted engine. Either way the rank is *unsynced* until the feed
+refilled the gap from the engine's replay buffer or cleared the rank and started over;
+``matched_blocks`` reports no match on an unsynced rank, and routers fall back to load.
+
+No vLLM import: events are decoded here from their msgpack form (vLLM's ``EventBatch``:
+``[ts, [event maps tagged "type"], dp_rank]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+__all__ = ["EventBatch", "PrefixIndex", "RankIndex", "decode_batch"]
+
+BlockHash = int | bytes
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    """vLLM's ``EventBatch`` (``vllm/distributed/kv_events.py``) as published."""
+
+    ts: float
+    events: list[dict[str, Any]]
+    data_parallel_rank: int | None = None
+
+
+_batch_decoder = msgspec.msgpack.Decoder(EventBatch)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one published batch; raises msgspec.DecodeError on a malformed one."""
+    return _batch_decoder.decode(payload)
+
+
+@dataclasses.dataclass
+class RankIndex:
+    """One rank's cached block hashes and where its event stream stands."""
+
+    blocks: set = dataclasses.field(default_factory=set)
+    # The last batch applied: -1 before the first (a fresh engine's first batch is 0);
+    # None after a reset (the next batch, whatever its number, starts over).
+    last_seq: int | None = -1
+    synced: bool = True  # every batch since the start or the last reset applied
+    block_size: int | None = None  # from its BlockStored events
+    events: int = 0
+    gaps: int = 0  # sequence jumps forward (batches lost)
+    restarts: int = 0  # sequence went back (a new publisher: the engine restarted)
+    resets: int = 0  # cleared because a gap could not be refilled
+    last_event_ts: float | None = None  # the engine's wall clock at its last batch
+    verified: bool | None = None  # a root block's hash checked against ours: None = not yet
+    root_blocks_seen: list = dataclasses.field(default_factory=list)  # (hash, tokens, keys)
+
+
+class PrefixIndex:
+    """Per-rank block hashes from KV events, and prefix matches against them."""
+
+    def __init__(self, ranks: int):
+        self.ranks = [RankIndex() for _ in range(ranks)]
+
+    # ------------------------------------------------------------ the event stream
+
+    def check_sequence(self, rank: int, seq: int, live: bool = True) -> str:
+        """Where batch ``seq`` of ``rank`` stands: "next" (apply it), "gap" (batches
+        before it were lost: refill them first), "restart" (a live batch that went back:
+        a new publisher, the engine restarted) or "old" (a replayed batch already applied)."""
+        last = self.ranks[rank].last_seq
+        if last is None:
+            return "next"
+        if seq == last + 1:
+            return "next"
+        if seq <= last:
+            return "restart" if live else "old"
+        return "gap"
+
+    def apply(self, rank: int, seq: int, batch: EventBatch) -> None:
+        """Apply batch ``seq`` of ``rank`` (in order: ``check_sequence`` said "next")."""
+        index = self.ranks[rank]
+        index.last_seq = seq
+        index.last_event_ts = batch.ts
+        for event in batch.events:
+            index.events += 1
+            kind = event.get("type")
+            if kind == "BlockStored":
+                if event.get("group_idx") not in (None, 0):
+                    continue  # hybrid models: route on the first KV cache group only
+                hashes = event.get("block_hashes") or []
+                index.blocks.update(_hashable(h) for h in hashes)
+                index.block_size = event.get("block_size") or index.block_size
+                root = event.get("parent_block_hash") is None and not event.get("lora_name")
+                if root and hashes and len(index.root_blocks_seen) < 8:
+                    # Kept for the hash check (PrefixHasher.verify): the first block of
+                    # a prompt, its tokens and untagged extra keys (the cache salt).
+                    keys = (event.get("extra_keys") or [None])[0]
+                    tokens = list(event.get("token_ids") or [])[: event.get("block_size") or 0]
+                    index.root_blocks_seen.append((_hashable(hashes[0]), tokens, keys))
+            elif kind == "BlockRemoved":
+                if event.get("group_idx") not in (None, 0):
+                    continue
+                for h in event.get("block_hashes") or []:
+                    index.blocks.discard(_hashable(h))
+            elif kind == "AllBlocksCleared":
+                index.blocks.clear()
+
+    def note_gap(self, rank: int) -> None:
+        """Batches before the one in hand were lost: unsynced until refilled or reset."""
+        self.ranks[rank].gaps += 1
+        self.ranks[rank].synced = False
+
+    def refilled(self, rank: int) -> None:
+        """The gap was refilled from the replay buffer, in order."""
+        self.ranks[rank].synced = True
+
+    def reset(self, rank: int, restarted: bool = False) -> None:
+        """Forget ``rank``'s blocks (a restart, or a gap the replay buffer could not
+        refill); it is synced again from the next batch on (an under-estimate from then:
+        blocks stored before are unknown until evicted or stored again)."""
+        index = self.ranks[rank]
+        index.blocks.clear()
+        index.last_seq = None
+        index.synced = True
+        if restarted:
+            index.restarts += 1
+        else:
+            index.resets += 1
+
+    def clear_all(self) -> None:
+        """Every rank's cache was reset (the gateway's own ResetPrefixCache): as an
+        AllBlocksCleared on each, which vLLM publishes only with its next step."""
+        for index in self.ranks:
+            index.blocks.clear()
+
+    # ------------------------------------------------------------ queries
+
+    def matched_blocks(self, hashes: Sequence[BlockHash]) -> list[int | None]:
+        """Per rank: how many of ``hashes`` (a prompt's chained block hashes, in order)
+        it holds as a prefix, or None where the rank is unsynced (do not route on it)."""
+        out: list[int | None] = []
+        for index in self.ranks:
+            if not index.synced:
+                out.append(None)
+                continue
+            blocks = index.blocks
+            matched = 0
+            for h in hashes:
+                if h not in blocks:
+                    break
+                matched += 1
+            out.append(matched)
+        return out
+
+    def size(self) -> int:
+        return sum(len(index.blocks) for index in self.ranks)
+
+    def block_size(self) -> int | None:
+        for index in self.ranks:
+            if index.block_size:
+                return index.block_size
+        return None
+
+
+def _hashable(h: Any) -> BlockHash:
+    return bytes(h) if isinstance(h, (bytearray, memoryview, list)) else h

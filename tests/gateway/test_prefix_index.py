@@ -1,0 +1,89 @@
+"""The prefix index (sans-IO): vLLM's KV events in, per-rank prefix matches out."""
+
+import msgspec
+
+from gateway.prefix_index import EventBatch, PrefixIndex, decode_batch
+
+
+def stored(hashes, parent=None, tokens=None, block_size=4, **more):
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens or list(range(block_size * len(hashes))),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        **more,
+    }
+
+
+def batch(*events, rank=0):
+    return EventBatch(1.0, list(events), rank)
+
+
+def test_stored_removed_and_cleared_shape_each_ranks_prefix_matches():
+    index = PrefixIndex(2)
+    index.apply(0, 0, batch(stored([11, 12, 13])))
+    index.apply(1, 0, batch(stored([11]), rank=1))
+    assert index.matched_blocks([11, 12, 13, 14]) == [3, 1]
+
+    index.apply(0, 1, batch({"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}))
+    assert index.matched_blocks([11, 12, 13]) == [1, 1]  # 13 is no use without 12
+    index.apply(1, 1, batch({"type": "AllBlocksCleared"}, rank=1))
+    assert index.matched_blocks([11]) == [1, 0]
+    assert index.size() == 2 and index.block_size() == 4
+
+
+def test_other_kv_cache_groups_and_unknown_events_are_left_out():
+    index = PrefixIndex(1)
+    index.apply(0, 0, batch(stored([5], group_idx=1), {"type": "SomethingNew"}, stored([7])))
+    assert index.matched_blocks([7]) == [1]
+    assert index.matched_blocks([5]) == [0]
+
+
+def test_sequence_numbers_tell_next_gap_restart_and_old():
+    index = PrefixIndex(1)
+    assert index.check_sequence(0, 0) == "next"  # a fresh engine starts at 0
+    assert index.check_sequence(0, 3) == "gap"
+    index.apply(0, 0, batch(stored([1])))
+    assert index.check_sequence(0, 1) == "next"
+    assert index.check_sequence(0, 0) == "restart"  # live: the publisher started over
+    assert index.check_sequence(0, 0, live=False) == "old"  # replayed twice
+
+
+def test_an_unsynced_rank_matches_nothing_until_refilled_or_reset():
+    index = PrefixIndex(2)
+    index.apply(0, 0, batch(stored([1, 2])))
+    index.note_gap(0)
+    assert index.matched_blocks([1, 2]) == [None, 0]
+    index.refilled(0)
+    assert index.matched_blocks([1, 2]) == [2, 0]
+
+    index.note_gap(0)
+    index.reset(0)
+    assert index.matched_blocks([1, 2]) == [0, 0]  # cleared, and synced again
+    assert index.check_sequence(0, 57) == "next"  # after a reset, any batch starts over
+    assert index.ranks[0].gaps == 2 and index.ranks[0].resets == 1
+    index.reset(1, restarted=True)
+    assert index.ranks[1].restarts == 1
+
+
+def test_root_blocks_are_kept_for_the_hash_check_lora_blocks_are_not():
+    index = PrefixIndex(1)
+    tokens = list(range(8))
+    index.apply(0, 0, batch(stored([9, 10], tokens=tokens, extra_keys=[("salt",), None])))
+    index.apply(0, 1, batch(stored([20], parent=10, tokens=[1, 2, 3, 4])))  # not a root
+    index.apply(0, 2, batch(stored([30], lora_name="ada")))  # events leave out its path
+    assert index.ranks[0].root_blocks_seen == [(9, [0, 1, 2, 3], ("salt",))]
+
+
+def test_a_batch_decodes_from_vllms_msgpack_form():
+    # vLLM's EventBatch is array-like: [ts, [event maps tagged "type"], dp_rank].
+    payload = msgspec.msgpack.encode([2.5, [stored([b"\x01" * 32])], 1])
+    decoded = decode_batch(payload)
+    assert decoded.ts == 2.5 and decoded.data_parallel_rank == 1
+    index = PrefixIndex(2)
+    index.apply(1, 0, decoded)
+    assert index.matched_blocks([b"\x01" * 32]) == [0, 1]  # bytes hashes work as well

@@ -1,0 +1,249 @@
+"""Prefix-cache-aware routing on the real CPU engine: two data-parallel ranks (one core
+each), 32-token blocks (the CPU attention's smallest), vLLM's KV events on
+(``--routing cache``), a 64-block cache per rank so that eviction comes soon.
+
+Which rank holds what is read from PrefixQuery (the gateway's index of the engines'
+events) and checked against vLLM's own ``cached_tokens`` of the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from client import AsyncClient, GatewayPool, RequestOptions, SamplingParams
+from gateway.routing import RoutingConfig
+from tests.conftest import cpu_engine_args, running_gateway
+from tests.gateway.test_data_parallel import ONE_CORE_PER_RANK, environment
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32
+CACHE_BLOCKS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+async def routed():
+    """A gateway routing by cache over two ranks, control calls open."""
+    from gateway.auth import ControlPolicy
+    from gateway.vllm import VllmEngine, enable_kv_events
+
+    args = cpu_engine_args(
+        data_parallel_size=2, block_size=BLOCK, num_gpu_blocks_override=CACHE_BLOCKS
+    )
+    enable_kv_events(args)
+    with environment(ONE_CORE_PER_RANK):
+        engine = await VllmEngine.start(args, routing=RoutingConfig("cache"))
+    try:
+        async with running_gateway(engine, control=ControlPolicy(open=True)) as gateway:
+            yield gateway
+    finally:
+        await engine.aclose()
+
+
+@pytest.fixture
+async def client(routed):
+    async with AsyncClient(routed.addresses[0], name="routing") as c:
+        yield c
+
+
+_rng = random.Random(40)
+
+
+def fresh_prompt(blocks: int, extra: int = 5) -> list[int]:
+    """A prompt no other test shares: ``blocks`` full blocks plus ``extra`` tokens."""
+    return [_rng.randrange(4, 500) for _ in range(blocks * BLOCK + extra)]
+
+
+async def settled(client: AsyncClient, prompt, want, options=None, timeout=10.0) -> list:
+    """PrefixQuery until ``want(matched_tokens)``: events reach the index a moment after
+    the request's output."""
+    matched: list = []
+    async with asyncio.timeout(timeout):
+        while True:
+            matched = (await client.prefix_query(prompt, options)).matched_tokens
+            if want(matched):
+                return matched
+            await asyncio.sleep(0.02)
+
+
+def holder(matched: list) -> int:
+    """The one rank that holds the prompt."""
+    (rank,) = [r for r, tokens in enumerate(matched) if tokens]
+    return rank
+
+
+async def test_the_gateways_hash_of_a_prompt_is_the_one_the_engine_published(client, routed):
+    engine = routed.engine
+    prompt = fresh_prompt(4)
+    await client.complete(prompt, GREEDY)
+    matched = await settled(client, prompt, lambda m: any(m))
+    rank = engine.prefix_index.ranks[holder(matched)]
+
+    ours = engine.prompt_block_hashes(prompt)
+    assert len(ours) == 4 and all(isinstance(h, int) for h in ours)
+    assert set(ours) <= rank.blocks  # BlockStored carried exactly these hashes
+    assert rank.verified is True  # and the feed's own check of a root block agreed
+    # vLLM reuses whole blocks and always computes the last token.
+    assert matched[holder(matched)] == 4 * BLOCK
+
+
+async def test_a_shared_prefix_follows_its_rank_and_vllm_reports_the_predicted_hit(client, routed):
+    engine = routed.engine
+    decisions = engine.router.decisions
+    accuracy = engine.routing_accuracy
+    ranks_seen = set()
+    for _ in range(4):
+        prefix = fresh_prompt(3, extra=0)
+        await client.complete(prefix + [7] * 9, GREEDY)
+        extended = prefix + [8] * 40
+        matched = await settled(client, extended, lambda m: any(m))
+        rank = holder(matched)
+        ranks_seen.add(rank)
+        matched_before = decisions["matched"]
+        exact_before = accuracy.exact
+
+        done = await client.complete(extended, GREEDY)
+
+        assert done.cached_tokens == matched[rank] == 3 * BLOCK
+        assert decisions["matched"] == matched_before + 1
+        assert accuracy.exact == exact_before + 1
+        # Its new blocks were stored on the same rank: the longer prompt is there alone.
+        after = await settled(client, extended, lambda m, r=rank: m[r] == 4 * BLOCK)
+        assert after[1 - rank] == 0
+    assert ranks_seen == {0, 1}  # fresh prompts went by load: both ranks served
+
+
+async def test_a_pinned_request_is_placed_where_asked(client, routed):
+    prompt = fresh_prompt(3)
+    await client.complete(prompt, GREEDY)
+    rank = holder(await settled(client, prompt, lambda m: any(m)))
+    decisions = dict(routed.engine.router.decisions)
+
+    done = await client.complete(
+        prompt, GREEDY, options=RequestOptions(data_parallel_rank=1 - rank)
+    )
+
+    assert done.cached_tokens == 0  # the other rank computed it from scratch
+    assert dict(routed.engine.router.decisions) == decisions  # no routing decision made
+    both = await settled(client, prompt, lambda m: all(m))
+    assert both == [3 * BLOCK, 3 * BLOCK]
+
+
+async def test_reset_prefix_cache_clears_the_index_through_all_blocks_cleared(client, routed):
+    prompt = fresh_prompt(2)
+    await client.complete(prompt, GREEDY)
+    await settled(client, prompt, lambda m: any(m))
+
+    await client.reset_prefix_cache()
+
+    assert await settled(client, prompt, lambda m: not any(m)) == [0, 0]
+    assert routed.engine.prefix_index.size() == 0
+    done = await client.complete(prompt, GREEDY)
+    assert done.cached_tokens == 0  # as the index said
+
+
+async def test_eviction_under_cache_pressure_reaches_the_index(client, routed):
+    first = fresh_prompt(6)
+    pin = RequestOptions(data_parallel_rank=0)
+    await client.complete(first, GREEDY, options=pin)
+    await settled(client, first, lambda m: m[0] == 6 * BLOCK)
+    # 12 more prompts of 7 blocks each on rank 0: far past its 64 blocks.
+    for _ in range(12):
+        await client.complete(fresh_prompt(6), GREEDY, options=pin)
+
+    matched = await settled(client, first, lambda m: m[0] < 6 * BLOCK)
+    done = await client.complete(first, GREEDY, options=pin)
+    assert done.cached_tokens == matched[0]  # what BlockRemoved left, vLLM found
+
+
+async def test_a_lost_batch_is_refilled_from_the_engines_replay_socket(client, routed):
+    engine = routed.engine
+    feed, index = engine.kv_feed, engine.prefix_index
+    publisher = engine._client.get_kv_event_sources()[0].endpoint
+    pin = RequestOptions(data_parallel_rank=0)
+    replayed, gaps = feed.replayed, index.ranks[0].gaps
+
+    feed.sub.disconnect(publisher)  # a subscriber that fell behind: batches lost
+    lost = fresh_prompt(3)
+    await client.complete(lost, GREEDY, options=pin)
+    await asyncio.sleep(0.3)
+    feed.sub.connect(publisher)
+    async with asyncio.timeout(10):  # the next batch shows the gap; the replay fills it
+        while index.ranks[0].gaps == gaps:
+            await client.complete(fresh_prompt(1), GREEDY, options=pin)
+            await asyncio.sleep(0.05)
+
+    matched = await settled(client, lost, lambda m: m[0] == 3 * BLOCK)
+    assert feed.replayed > replayed and index.ranks[0].synced
+    assert matched[0] == (await client.complete(lost, GREEDY)).cached_tokens
+
+
+async def test_the_balance_guard_spreads_a_skewed_stream(client, routed):
+    router = routed.engine.router
+    prefix = fresh_prompt(4, extra=0)
+    await client.complete(prefix + [1], GREEDY)
+    rank = holder(await settled(client, prefix + [2], lambda m: any(m)))
+    guarded = router.decisions["balance_guard"]
+    long = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+    # 40 requests at once, all sharing the prefix: cache alone would put all on `rank`.
+    done = await asyncio.gather(
+        *(client.complete(prefix + [i % 400 + 4] * 3, long) for i in range(40))
+    )
+
+    assert router.decisions["balance_guard"] > guarded
+    after = (await client.prefix_query(prefix + [9])).matched_tokens
+    assert after[1 - rank] == 4 * BLOCK  # the guard's requests stored the prefix there too
+    assert all(c.output_tokens == 64 for c in done)
+
+
+async def test_a_routing_key_keeps_an_episode_on_one_rank(client, routed):
+    key = RequestOptions(routing_key="episode-40")
+    holders = set()
+    for _ in range(3):
+        prompt = fresh_prompt(1)  # nothing cached: only the key can keep them together
+        await client.complete(prompt, GREEDY, options=key)
+        holders.add(holder(await settled(client, prompt, lambda m: any(m))))
+    assert len(holders) == 1
+    assert routed.engine.router.decisions["sticky"] >= 2
+
+
+async def test_prefix_query_checks_the_prompt_as_a_generate(client):
+    from client import ErrorCode, RequestFailed
+
+    with pytest.raises(RequestFailed) as refused:
+        await client.prefix_query([5, 10**6])
+    assert refused.value.code == ErrorCode.INVALID_REQUEST
+    with pytest.raises(RequestFailed) as empty:
+        await client.prefix_query([])
+    assert empty.value.code == ErrorCode.INVALID_REQUEST
+
+
+async def test_a_gateway_pool_with_the_cache_policy_goes_where_the_prefix_is(
+    client, routed, real_gateway
+):
+    cached_here = routed.addresses[0]
+    prefix = fresh_prompt(3, extra=0)
+    await client.complete(prefix + [3], GREEDY)
+    await settled(client, prefix + [4], lambda m: any(m))
+
+    addresses = [real_gateway.addresses[0], cached_here]
+    async with GatewayPool(addresses, policy="cache") as cache_pool:
+        gateways = []
+        for i in range(4):
+            stream = cache_pool.generate(prefix + [10 + i] * 2, GREEDY)
+            outs = [o async for o in stream]
+            gateways.append(stream.gateway)
+            assert outs[-1].finished.cached_tokens == 3 * BLOCK
+        assert gateways == [cached_here] * 4
+        # A prompt no gateway holds goes by load (the pool's in-flight counts, rotating).
+        spread = []
+        for _ in range(4):
+            stream = cache_pool.generate(fresh_prompt(1), GREEDY)
+            _ = [o async for o in stream]
+            spread.append(stream.gateway)
+        assert set(spread) == set(addresses)

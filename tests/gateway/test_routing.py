@@ -1,0 +1,82 @@
+"""Rank choice for unpinned requests (sans-IO): each policy and the balance guard."""
+
+import pytest
+
+from gateway.routing import Router, RoutingConfig
+
+BLOCK = 32
+
+
+def cache_router(ranks=2, **config) -> Router:
+    return Router(ranks, RoutingConfig("cache", **config))
+
+
+def test_load_leaves_the_rank_to_vllm_and_round_robin_takes_turns():
+    load = Router(2, RoutingConfig("load"))
+    assert load.choose([3, 0], [0, 0], 128, BLOCK).rank is None
+    turns = Router(3, RoutingConfig("round-robin"))
+    assert [turns.choose(None, [0, 0, 0], 1, BLOCK).rank for _ in range(4)] == [0, 1, 2, 0]
+    assert turns.decisions["round_robin"] == 4
+
+
+def test_cache_goes_where_the_prefix_is_and_predicts_what_vllm_can_reuse():
+    router = cache_router()
+    decision = router.choose([0, 4], [1.0, 1.0], 4 * BLOCK, BLOCK)
+    # 4 full blocks cached, but vLLM always computes the last token: 3 reusable.
+    assert (decision.rank, decision.reason, decision.predicted_blocks) == (1, "matched", 3)
+
+
+def test_load_outweighs_a_small_match_by_the_documented_cost():
+    # cost = load - prefix_weight * matched / blocks: rank 1 holds 1 of 8 blocks
+    # (worth 4 * 1/8 = 0.5 of load) but has 2 more requests queued.
+    router = cache_router(prefix_weight=4.0)
+    decision = router.choose([0, 1], [0.0, 2.0], 8 * BLOCK + 1, BLOCK)
+    assert (decision.rank, decision.reason) == (0, "load")
+    decision = router.choose([0, 8], [0.0, 2.0], 8 * BLOCK + 1, BLOCK)
+    assert (decision.rank, decision.reason) == (1, "matched")  # 8/8 is worth 4
+
+
+def test_the_balance_guard_moves_a_request_off_an_overloaded_rank():
+    router = cache_router(prefix_weight=100.0, guard_ratio=1.5, guard_slack=8.0)
+    assert router.choose([4, 0], [20.0, 8.0], 5 * BLOCK, BLOCK).rank == 0  # 20 <= 1.5*8+8
+    decision = router.choose([4, 0], [21.0, 8.0], 5 * BLOCK, BLOCK)
+    assert (decision.rank, decision.reason, decision.predicted_blocks) == (1, "balance_guard", 0)
+
+
+def test_a_routing_key_sticks_while_no_rank_holds_the_prompt():
+    router = cache_router()
+    first = router.choose([0, 0], [3.0, 1.0], 40, BLOCK, routing_key="episode-7")
+    assert (first.rank, first.reason) == (1, "load")
+    again = router.choose([0, 0], [0.0, 2.0], 40, BLOCK, routing_key="episode-7")
+    assert (again.rank, again.reason) == (1, "sticky")
+    other = router.choose([0, 0], [0.0, 2.0], 40, BLOCK, routing_key="episode-8")
+    assert other.rank == 0
+
+
+def test_sticky_keys_are_bounded():
+    router = cache_router(sticky_keys=2)
+    for key in ("a", "b", "c"):
+        router.choose([0, 0], [0.0, 0.0], 40, BLOCK, routing_key=key)
+    assert list(router._sticky) == ["b", "c"]
+
+
+@pytest.mark.parametrize("matched", [None, [None, 3], [3, None]])
+def test_an_unsynced_index_falls_back_to_load_and_is_counted(matched):
+    router = cache_router()
+    decision = router.choose(matched, [5.0, 1.0], 4 * BLOCK, BLOCK)
+    assert (decision.rank, decision.reason) == (1, "fallback")
+    assert router.decisions == {"fallback": 1}
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="routing policy"):
+        RoutingConfig("fastest")
+
+
+def test_load_ties_go_in_turn_as_vllm_rotates_them():
+    router = cache_router(ranks=3)
+    ranks = [router.choose([0, 0, 0], [0.0, 0.0, 0.0], 40, BLOCK).rank for _ in range(4)]
+    assert ranks == [0, 1, 2, 0]
+    # A turn passes only when a tie was broken by it: hits in between leave it.
+    assert router.choose([0, 0, 2], [0.0, 0.0, 0.0], 100, BLOCK).rank == 2
+    assert router.choose([0, 0, 0], [0.0, 0.0, 0.0], 40, BLOCK).rank == 1
