@@ -112,7 +112,17 @@ class PrefixRouting:
                 predicted.popitem(last=False)
         if decision.rank is not None:
             core_request.data_parallel_rank = decision.rank
+            self._count_as_waiting(decision.rank)
         return decision
+
+    def _count_as_waiting(self, rank: int) -> None:
+        """As vLLM's balancer does for its own picks: count the request as waiting on its
+        rank until the coordinator's next snapshot (every 100 ms) says otherwise, so that
+        a burst spreads instead of following a stale snapshot (it pins nothing itself
+        for a request that names its rank)."""
+        counts = getattr(self._client, "lb_engines", None)
+        if counts is not None and rank < len(counts):
+            counts[rank][0] += getattr(self._client, "client_count", 1)
 
     def _prefix_cache_cleared(self) -> None:
         """Every engine's prefix cache was reset."""
