@@ -228,12 +228,12 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     )
     g.add_argument(
         "--routing",
-        choices=("auto", *ROUTING_POLICIES),
-        default="auto",
+        choices=ROUTING_POLICIES,
+        default="load",
         help="where an unpinned request goes: load (vLLM's balancer), cache (the rank"
         " holding most of its prompt in the prefix cache, from vLLM's KV events, with a"
-        " balance guard) or round-robin; auto: cache with several data-parallel ranks all"
-        " on this host and one gateway (bench/results/routing.md), else load",
+        " balance guard; for shared prefixes: multi-turn, agents; bench/results/routing.md)"
+        " or round-robin",
     )
     g.add_argument(
         "--routing-prefix-weight",
@@ -319,7 +319,6 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     check_model(args.model)
     if args.lora_module and not args.enable_lora:
         raise UsageError("--lora-module", "needs --enable-lora (vLLM's flag for LoRA adapters)")
-    args.routing = resolved_routing(args)
     if args.routing == "cache" and args.gateway_count > 1:
         raise UsageError(
             "--routing",
@@ -334,20 +333,6 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
         return engine_args, engine_config(engine_args, count, -1 if count > 1 else 0)
     except Exception as exc:  # vLLM's own words for a model or flag it cannot use
         raise UsageError(None, f"engine configuration: {_first_sentence(exc)}") from None
-
-
-def resolved_routing(args: argparse.Namespace) -> str:
-    """``--routing auto``: cache where it can run and pays (several data-parallel ranks,
-    every one on this host, one gateway, no KV event endpoints of the user's), else load."""
-    if args.routing != "auto":
-        return args.routing
-    ranks = getattr(args, "data_parallel_size", 1) or 1
-    local = getattr(args, "data_parallel_size_local", None) or ranks
-    own_events = getattr(args, "kv_events_config", None) is not None
-    headless = getattr(args, "headless", False)
-    if ranks > 1 and local == ranks and args.gateway_count == 1 and not own_events and not headless:
-        return "cache"
-    return "load"
 
 
 def _first_sentence(exc: Exception) -> str:

@@ -53,8 +53,7 @@ class RoutingConfig:
     def from_args(cls, args: Any) -> RoutingConfig:
         """From ``engine-gateway serve``'s --routing flags (an argparse Namespace)."""
         ratio, slack = args.routing_guard
-        policy = "load" if args.routing == "auto" else args.routing  # auto: resolved by then
-        return cls(policy, args.routing_prefix_weight, ratio, slack)
+        return cls(args.routing, args.routing_prefix_weight, ratio, slack)
 
 
 @dataclasses.dataclass(frozen=True)

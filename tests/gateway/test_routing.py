@@ -80,24 +80,3 @@ def test_load_ties_go_in_turn_as_vllm_rotates_them():
     # A turn passes only when a tie was broken by it: hits in between leave it.
     assert router.choose([0, 0, 2], [0.0, 0.0, 0.0], 100, BLOCK).rank == 2
     assert router.choose([0, 0, 0], [0.0, 0.0, 0.0], 40, BLOCK).rank == 1
-
-
-@pytest.mark.parametrize(
-    ("flags", "policy"),
-    [
-        (dict(), "load"),  # one engine: nothing to choose
-        (dict(data_parallel_size=2), "cache"),
-        (dict(data_parallel_size=2, routing="round-robin"), "round-robin"),
-        (dict(data_parallel_size=2, gateway_count=2), "load"),  # one subscriber per event
-        (dict(data_parallel_size=2, data_parallel_size_local=1), "load"),  # ranks elsewhere
-        (dict(data_parallel_size=2, kv_events_config={"enable_kv_cache_events": True}), "load"),
-        (dict(data_parallel_size=2, headless=True), "load"),
-    ],
-)
-def test_routing_auto_chooses_cache_only_where_it_can_run(flags, policy):
-    from argparse import Namespace
-
-    from gateway.cli import resolved_routing
-
-    args = dict(routing="auto", data_parallel_size=1, gateway_count=1)
-    assert resolved_routing(Namespace(**{**args, **flags})) == policy
