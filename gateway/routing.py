@@ -29,10 +29,16 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ROUTING_POLICIES", "Decision", "Router", "RoutingConfig"]
+__all__ = ["ROUTING_POLICIES", "Decision", "Router", "RoutingConfig", "reusable_blocks"]
 
 ROUTING_POLICIES = ("load", "cache", "round-robin")
 REASONS = ("matched", "sticky", "load", "balance_guard", "fallback", "round_robin")
+
+
+def reusable_blocks(matched: int, prompt_len: int, block_size: int) -> int:
+    """Of ``matched`` cached leading blocks, those vLLM reuses for a prompt of
+    ``prompt_len`` tokens: it always computes the last token."""
+    return min(matched, max(0, (prompt_len - 1) // block_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +115,7 @@ class Router:
         if matched is None or any(m is None for m in matched) or block_size <= 0:
             self._next += 1
             return Decision(least, "fallback")
-        reusable = max(0, (prompt_len - 1) // block_size)
-        usable = [min(m or 0, reusable) for m in matched]
+        usable = [reusable_blocks(m or 0, prompt_len, block_size) for m in matched]
         blocks = max(1, prompt_len // block_size)
         weight = self.config.prefix_weight
         if max(usable) > 0:

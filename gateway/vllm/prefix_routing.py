@@ -17,7 +17,7 @@ from typing import Any
 
 from ..kv_event_feed import KvEventFeed
 from ..prefix_index import PrefixIndex
-from ..routing import Decision, Router, RoutingConfig
+from ..routing import Decision, Router, RoutingConfig, reusable_blocks
 from .args import KV_EVENTS_FOLDER_PREFIX
 from .prefix_hashes import PrefixHasher
 
@@ -233,5 +233,8 @@ class PrefixRouting:
         ranks = self._vllm_config.parallel_config.data_parallel_size
         if matched is None or not block_size:
             return [None] * ranks, block_size
-        reusable = max(0, (len(core_request.prompt_token_ids or ()) - 1) // block_size)
-        return [None if m is None else min(m, reusable) * block_size for m in matched], block_size
+        prompt_len = len(core_request.prompt_token_ids or ())
+        return [
+            None if m is None else reusable_blocks(m, prompt_len, block_size) * block_size
+            for m in matched
+        ], block_size
