@@ -5,7 +5,15 @@ a gateway; results are the codec's typed structs, errors are ClientError
 subclasses carrying the gateway's ErrorCode.
 """
 
-from codec import ErrorCode, FinishReason, RequestOptions, RequestOutput, SamplingParams
+from codec import (
+    ErrorCode,
+    FinishReason,
+    MultimodalItem,
+    RequestOptions,
+    RequestOutput,
+    SamplingParams,
+    Tensor,
+)
 
 from .aio import AsyncClient, RequestStream
 from .errors import (
@@ -37,6 +45,8 @@ __all__ = [
     "SamplingParams",
     "RequestOptions",
     "RequestOutput",
+    "MultimodalItem",
+    "Tensor",
     "FinishReason",
     "ErrorCode",
 ]

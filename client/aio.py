@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import zmq
 
 from codec import (
@@ -48,6 +49,7 @@ from codec import (
     LoadLora,
     Logprobs,
     ModelInfoReply,
+    MultimodalItem,
     Outputs,
     Overloaded,
     Pause,
@@ -95,6 +97,7 @@ _READ_BATCH = 32  # frames read in one callback before the woken consumers get t
 # against ~0.02 µs for two ints), twice per frame read.
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
+_MAX_REMEMBERED_HASHES = 100_000  # multimodal hashes sent in this session, before forgetting
 _MAX_PENDING_OUTPUTS = 64  # per request; past it, a sample's new outputs merge into its last
 # Errors that mean the gateway no longer holds a session for this client.
 _SESSION_GONE = (ErrorCode.HANDSHAKE_REQUIRED, ErrorCode.SLOW_CONSUMER, ErrorCode.SESSION_EXPIRED)
@@ -132,7 +135,7 @@ class _Stream:
     most that many items plus one per sample, whatever the request's length.
     """
 
-    __slots__ = ("items", "open", "wakeup", "samples_left", "abandoned")
+    __slots__ = ("items", "open", "wakeup", "samples_left", "abandoned", "resend")
 
     def __init__(self, n: int):
         self.items: collections.deque[_Slot] = collections.deque()
@@ -140,6 +143,9 @@ class _Stream:
         self.wakeup = asyncio.Event()
         self.samples_left = n
         self.abandoned = False  # the consumer left; drop items until the terminal
+        # The Generate with every item's tensors, when it went out with some left out
+        # (the gateway held them): sent once more if the gateway no longer holds one.
+        self.resend: Generate | None = None
 
     def push(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
@@ -301,6 +307,10 @@ class AsyncClient(CompletionCalls):
         self._last_heard = 0.0
         self._closed = False
         self.hello_ack: HelloAck | None = None
+        # Hashes of multimodal items sent with tensors in this session: later requests
+        # name them by hash alone (the gateway holds them; PROTOCOL.md §7.16).
+        self._multimodal_sent: set[str] = set()
+        self.multimodal_resends = 0
         self.sessions_opened = 0
         self.connection_errors: collections.deque[Error] = collections.deque(
             maxlen=_KEPT_CONNECTION_ERRORS
@@ -395,8 +405,14 @@ class AsyncClient(CompletionCalls):
         stream: bool = True,
         request_id: str | None = None,
         options: RequestOptions | None = None,
+        multimodal: Sequence[MultimodalItem] | None = None,
     ) -> RequestStream:
         """Stream the request's RequestOutputs as they arrive: ``async for out in ...``.
+
+        ``multimodal``: processed items, each with its tensors
+        (``client.multimodal_processor`` makes them); an item whose hash this session
+        already sent goes by hash alone, and is sent again in full if the gateway no
+        longer holds it.
 
         Iteration raises:
             RequestFailed: the gateway refused or failed the request (Error frame).
@@ -407,16 +423,36 @@ class AsyncClient(CompletionCalls):
         sampling = sampling or SamplingParams()
         request_id = request_id or self.new_request_id()
         self._check_open()
-        message = Generate(request_id, list(prompt_token_ids), stream, sampling, options)
+        items = list(multimodal) if multimodal else None
+        message = Generate(request_id, list(prompt_token_ids), stream, sampling, options, items)
         return RequestStream(self, message, sampling.n if sampling.n and sampling.n > 0 else 1)
 
     async def _start_request(self, message: Generate, state: _Stream) -> None:
         await self._wait_session()
         if message.request_id in self._streams:
             raise ValueError(f"request id {message.request_id!r} is still live on this client")
-        payload = self._encode_within_limit(message, message.request_id)
+        sent = self._by_hash(message) if message.multimodal else message
+        payload = self._encode_within_limit(sent, message.request_id)
         self._streams[message.request_id] = state
+        state.resend = message if sent is not message else None
         self._send_payload(payload)
+
+    def _by_hash(self, message: Generate) -> Generate:
+        """``message`` with the tensors of items this session already sent (or this request
+        sends earlier) left out; the rest are remembered as sent."""
+        known = self._multimodal_sent
+        if len(known) > _MAX_REMEMBERED_HASHES:
+            known.clear()
+        items = []
+        for item in message.multimodal or ():
+            if item.tensors is not None and item.hash in known:
+                item = msgspec.structs.replace(item, tensors=None)
+            elif item.tensors is not None:
+                known.add(item.hash)  # a repeat later in this request goes by hash too
+            items.append(item)
+        if all(a is b for a, b in zip(items, message.multimodal or (), strict=True)):
+            return message
+        return msgspec.structs.replace(message, multimodal=items)
 
     def _abandon(self, request_id: str, state: _Stream) -> None:
         """The consumer left a live request: abort it; keep its id until the terminal."""
@@ -774,6 +810,7 @@ class AsyncClient(CompletionCalls):
         if session.is_set():
             return  # an answer to a Hello sent twice while reconnecting
         self.hello_ack = ack
+        self._multimodal_sent.clear()  # a new session holds no items
         self.sessions_opened += 1
         self._last_heard = time.monotonic()
         self._lost.clear()
@@ -803,6 +840,8 @@ class AsyncClient(CompletionCalls):
             logger.warning("Hello refused while reconnecting: %s", exc)
 
     def _on_error(self, msg: Error) -> None:
+        if msg.code is ErrorCode.MULTIMODAL_ITEM_UNKNOWN and self._resend_in_full(msg):
+            return
         exc: ClientError = RequestFailed(msg.request_id, msg.code, msg.message)
         session_gone = msg.code in _SESSION_GONE
         why = f"[{msg.code.name}] {msg.message}"
@@ -845,6 +884,19 @@ class AsyncClient(CompletionCalls):
         if session_gone:
             # After SLOW_CONSUMER and SESSION_EXPIRED each live request gets its own Error.
             self._on_session_lost(why, fail_in_flight=msg.code is ErrorCode.HANDSHAKE_REQUIRED)
+
+    def _resend_in_full(self, msg: Error) -> bool:
+        """The gateway did not hold an item sent by hash (evicted, or refused with an
+        earlier request): nothing was accepted, so send the request again with every
+        tensor, once."""
+        state = self._streams.get(msg.request_id or "")
+        if state is None or state.resend is None or state.abandoned or not self.connected:
+            return False
+        message, state.resend = state.resend, None
+        self._multimodal_sent.update(item.hash for item in message.multimodal or ())
+        self.multimodal_resends += 1
+        self._send_payload(self._encode_within_limit(message, message.request_id))
+        return True
 
     def _end_stream(self, request_id: str, exc: BaseException) -> None:
         state = self._streams.get(request_id)

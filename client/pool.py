@@ -28,7 +28,14 @@ from typing import Any
 
 import msgspec
 
-from codec import AbortAck, HealthReply, RequestOptions, RequestOutput, SamplingParams
+from codec import (
+    AbortAck,
+    HealthReply,
+    MultimodalItem,
+    RequestOptions,
+    RequestOutput,
+    SamplingParams,
+)
 
 from ._compat import timeout as compat_timeout
 from .aio import AsyncClient, RequestStream
@@ -244,10 +251,13 @@ class GatewayPool(CompletionCalls):
         stream: bool = True,
         request_id: str | None = None,
         options: RequestOptions | None = None,
+        multimodal: Sequence[MultimodalItem] | None = None,
     ) -> PoolStream:
         """As AsyncClient.generate, on the least-loaded gateway that is up."""
         request_id = request_id or f"p{self._prefix}-{next(self._request_ids)}"
         kwargs = dict(stream=stream, request_id=request_id, options=options)
+        if multimodal:
+            kwargs["multimodal"] = multimodal
         return PoolStream(self, request_id, (prompt_token_ids, sampling), kwargs)
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[AbortAck]:

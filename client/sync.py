@@ -18,6 +18,7 @@ from codec import (
     AbortAck,
     HealthReply,
     ModelInfoReply,
+    MultimodalItem,
     PrefixReply,
     RequestOptions,
     RequestOutput,
@@ -82,10 +83,16 @@ class Client:
         stream: bool = True,
         request_id: str | None = None,
         options: RequestOptions | None = None,
+        multimodal: Sequence[MultimodalItem] | None = None,
     ) -> Iterator[RequestOutput]:
         """Like AsyncClient.generate, as a plain iterator."""
         requests = self._async.generate(
-            prompt_token_ids, sampling, stream=stream, request_id=request_id, options=options
+            prompt_token_ids,
+            sampling,
+            stream=stream,
+            request_id=request_id,
+            options=options,
+            multimodal=multimodal,
         )
         try:
             while True:

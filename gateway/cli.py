@@ -170,6 +170,30 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     )
     g.add_argument("--max-clients", type=count, default=defaults.max_clients)
     g.add_argument(
+        "--max-multimodal-items",
+        type=count,
+        default=defaults.max_multimodal_items,
+        help="multimodal items per request (multimodal models)",
+    )
+    g.add_argument(
+        "--max-multimodal-item-mb",
+        type=bounded(float, 0),
+        default=defaults.max_multimodal_item_bytes / 2**20,
+        help="MiB of tensors in one multimodal item",
+    )
+    g.add_argument(
+        "--max-multimodal-request-mb",
+        type=bounded(float, 0),
+        default=defaults.max_multimodal_request_bytes / 2**20,
+        help="MiB of tensors in one request's items (the frame limit grows with it)",
+    )
+    g.add_argument(
+        "--multimodal-cache-mb",
+        type=bounded(float, 0),
+        default=defaults.multimodal_cache_bytes / 2**20,
+        help="MiB of items held so that a session may resend them by hash alone",
+    )
+    g.add_argument(
         "--max-queued-requests",
         type=bounded(int, 0),
         default=defaults.max_queued_requests,

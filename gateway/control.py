@@ -108,7 +108,9 @@ async def _engine_call(engine: Any, table: SessionTable, call: Any) -> ServerMes
         case ListLoras():
             return ControlDone(call_id, "list_loras", await engine.list_loras())
         case GetStats():
-            return StatsReply(call_id, engine.engine_stats(), table.gateway_stats())
+            gateway = table.gateway_stats()
+            gateway.update(await engine.encoder_cache_counts())
+            return StatsReply(call_id, engine.engine_stats(), gateway)
         case InitWeightTransfer(init_info=init_info):
             await engine.init_weight_transfer(init_info)
             return ControlDone(call_id, "init_weight_transfer")

@@ -36,6 +36,8 @@ class EngineInfo:
     max_num_seqs: int
     # vLLM's CPU attention kernels for this model here (amx, vec, vec16, ...); None off CPU.
     cpu_attention: str | None = None
+    # Modalities a Generate's multimodal items may carry (the engine checks them).
+    modalities: tuple[str, ...] = ()
 
 
 class PrefillStatsLike(Protocol):
@@ -205,6 +207,11 @@ class EngineControls:
     def engine_stats(self) -> list:
         """Per-engine scheduler stats for GetStats; none by default."""
         return []
+
+    async def encoder_cache_counts(self) -> dict[str, int]:
+        """Multimodal encoder cache counts (``encoder_cache_hits``, ``encoder_runs``) summed
+        over the engines, for GetStats and the metrics; none by default."""
+        return {}
 
 
 def sample_engine_request_id(engine_request_id: str, index: int, n: int) -> str:

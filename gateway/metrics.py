@@ -126,6 +126,11 @@ class GatewayCollector:
             value=table.queued_requests,
         )
         yield GaugeMetricFamily(p + "connected_clients", "Sessions", value=table.connected_clients)
+        multimodal = table.multimodal_stats()
+        if multimodal:
+            yield from _multimodal_families(
+                p, multimodal, getattr(gw.engine, "last_encoder_cache_counts", {})
+            )
         routing_stats = getattr(gw.engine, "routing_stats", None)
         routing = routing_stats() if routing_stats is not None else None
         if routing is not None:
@@ -141,6 +146,34 @@ class GatewayCollector:
             buckets=buckets,
             sum_value=hist.total,
         )
+
+
+def _multimodal_families(p: str, m: dict, encoder: dict) -> Iterator:
+    """Multimodal items: received, sent by hash alone, held; the engines' encoder cache."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, text, key in (
+        ("multimodal_items", "Multimodal items of accepted requests", "multimodal_items"),
+        ("multimodal_item_bytes", "Tensor bytes received in accepted requests' items",
+         "multimodal_item_bytes"),
+        ("multimodal_items_by_hash", "Items named by hash alone (tensors held here)",
+         "multimodal_items_by_hash"),
+        ("multimodal_unknown_hashes", "Hash-only items refused (MULTIMODAL_ITEM_UNKNOWN)",
+         "multimodal_unknown_hashes"),
+        ("multimodal_evictions", "Held items evicted (least recently used)",
+         "multimodal_evictions"),
+    ):  # fmt: skip
+        yield CounterMetricFamily(p + name, text, value=m[key])
+    yield GaugeMetricFamily(
+        p + "multimodal_held_bytes", "Bytes of items held for resending by hash",
+        value=m["multimodal_held_bytes"],
+    )  # fmt: skip
+    for name, text, key in (
+        ("encoder_cache_hits", "Items whose encoder output the engines had cached (5 s lag)",
+         "encoder_cache_hits"),
+        ("encoder_runs", "Items the engines ran their encoder for (5 s lag)", "encoder_runs"),
+    ):  # fmt: skip
+        yield CounterMetricFamily(p + name, text, value=encoder.get(key, 0))
 
 
 def _routing_families(p: str, r: dict) -> Iterator:

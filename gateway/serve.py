@@ -59,7 +59,9 @@ def _control_policy(args: argparse.Namespace):  # noqa: ANN202 - ControlPolicy
     return ControlPolicy.from_key_files(args.control_key)
 
 
-def limits_from_args(args: argparse.Namespace, max_model_len: int) -> GatewayLimits:
+def limits_from_args(
+    args: argparse.Namespace, max_model_len: int, multimodal: bool = False
+) -> GatewayLimits:
     """The gateway's limits from its flags, defaults that follow the model filled in."""
     limits = GatewayLimits(
         max_frame_bytes=args.max_frame_bytes,
@@ -73,8 +75,12 @@ def limits_from_args(args: argparse.Namespace, max_model_len: int) -> GatewayLim
         client_send_hwm=args.client_send_hwm,
         max_clients=args.max_clients,
         default_heartbeat_interval_s=args.heartbeat_interval,
+        max_multimodal_items=args.max_multimodal_items,
+        max_multimodal_item_bytes=int(args.max_multimodal_item_mb * 2**20),
+        max_multimodal_request_bytes=int(args.max_multimodal_request_mb * 2**20),
+        multimodal_cache_bytes=int(args.multimodal_cache_mb * 2**20),
     )
-    return limits.for_model(max_model_len)
+    return limits.for_model(max_model_len, multimodal)
 
 
 async def run_gateway(
@@ -88,7 +94,8 @@ async def run_gateway(
     from .server import BindError, Gateway, Listener, freeze_startup_heap
     from .vllm import LoraModuleRefused, VllmEngine
 
-    limits = limits_from_args(args, vllm_config.model_config.max_model_len)
+    model_config = vllm_config.model_config
+    limits = limits_from_args(args, model_config.max_model_len, model_config.is_multimodal_model)
     # Bind first: a bad or busy address fails in a second, not after engine start-up.
     try:
         listener = Listener(args.bind, limits, curve=_curve_config(args))

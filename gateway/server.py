@@ -182,7 +182,9 @@ class Gateway:
         # token -> (client, call); a call may hold maps (weight transfer): not hashable.
         self._controls_in_flight: dict[object, tuple[bytes, Any]] = {}
         self._engine_state_lock = asyncio.Lock()  # ENGINE_STATE_CALLS, one at a time
-        self.limits = limits = limits.for_model(engine.info.max_model_len)
+        self.limits = limits = limits.for_model(
+            engine.info.max_model_len, bool(engine.info.modalities)
+        )
         self.binds = [bind] if isinstance(bind, str) else list(bind)
         self.drain_timeout_s = drain_timeout_s
         self.engine_dead_grace_s = engine_dead_grace_s

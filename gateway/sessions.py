@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+import msgspec
+
 from codec import (
     CONTROL_MESSAGES,
     PROTOCOL_VERSION,
@@ -72,6 +74,7 @@ from codec import (
 
 from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_request_id
 from .errors import RequestRejected
+from .multimodal_store import ItemProblem, MultimodalStore
 from .stop_sequences import StopMatcher, check_stop_sequences
 
 __all__ = ["GatewayLimits", "GatewayState", "Effects", "SessionTable", "Reply"]
@@ -109,16 +112,25 @@ class GatewayLimits:
     max_clients: int = 4096  # sessions at once (and slow consumers still owed frames)
     max_stop_sequences: int = 32  # SamplingParams.stop_token_sequences per request
     max_stop_sequence_len: int = 64  # tokens in one stop sequence
+    # Multimodal items (models with modalities only; PROTOCOL.md §7.16).
+    max_multimodal_items: int = 16  # per request
+    max_multimodal_item_bytes: int = 32 * 1024 * 1024
+    max_multimodal_request_bytes: int = 64 * 1024 * 1024
+    multimodal_cache_bytes: int = 1024 * 1024 * 1024  # items held for resending by hash
     default_heartbeat_interval_s: float = 5.0
     min_heartbeat_interval_s: float = 0.05
     max_heartbeat_interval_s: float = 300.0
     heartbeat_timeout_factor: float = 3.0
 
-    def for_model(self, max_model_len: int) -> GatewayLimits:
-        """These limits with every default that follows the model filled in."""
+    def for_model(self, max_model_len: int, multimodal: bool = False) -> GatewayLimits:
+        """These limits with every default that follows the model filled in (a multimodal
+        model's frames hold a request's tensors too)."""
         if self.max_frame_bytes is not None:
             return self
-        return replace(self, max_frame_bytes=frame_limit_for(max_model_len))
+        frame = frame_limit_for(max_model_len)
+        if multimodal:
+            frame += self.max_multimodal_request_bytes + 64 * self.max_multimodal_items * 1024
+        return replace(self, max_frame_bytes=frame)
 
 
 @dataclass(slots=True)
@@ -256,7 +268,20 @@ class SessionTable:
             vocab_size=info.vocab_size,
             eos_token_ids=list(info.eos_token_ids),
             cpu_attention=info.cpu_attention,
+            modalities=list(info.modalities),
         )
+        # Items held for resending by hash, and the model-free item checks.
+        self.multimodal = (
+            MultimodalStore(
+                limits.multimodal_cache_bytes,
+                limits.max_multimodal_items,
+                limits.max_multimodal_item_bytes,
+                limits.max_multimodal_request_bytes,
+            )
+            if info.modalities
+            else None
+        )
+        mm = self.multimodal is not None
         self.wire_limits = Limits(
             max_prompt_tokens=min(max_prompt, info.max_model_len),
             max_in_flight_per_client=limits.max_in_flight_per_client,
@@ -270,6 +295,10 @@ class SessionTable:
             max_clients=limits.max_clients,
             max_stop_sequences=limits.max_stop_sequences,
             max_stop_sequence_len=limits.max_stop_sequence_len,
+            max_multimodal_items=limits.max_multimodal_items if mm else 0,
+            max_multimodal_item_bytes=limits.max_multimodal_item_bytes if mm else 0,
+            max_multimodal_request_bytes=limits.max_multimodal_request_bytes if mm else 0,
+            multimodal_cache_bytes=limits.multimodal_cache_bytes if mm else 0,
         )
         self._handlers: dict[type, Callable[[bytes, object, float], Effects]] = {
             Hello: self._on_hello,
@@ -406,6 +435,23 @@ class SessionTable:
             "clients_expired": stats.clients_expired,
             "pauses_forgiven": stats.pauses_forgiven,
             "slow_consumers": stats.slow_consumers,
+            **self.multimodal_stats(),
+        }
+
+    def multimodal_stats(self) -> dict[str, int]:
+        """Multimodal items of accepted requests (none without a multimodal model)."""
+        store = self.multimodal
+        if store is None:
+            return {}
+        s = store.stats
+        return {
+            "multimodal_items": s.items,
+            "multimodal_item_bytes": s.item_bytes,
+            "multimodal_items_by_hash": s.items_by_hash,
+            "multimodal_unknown_hashes": s.unknown_hashes,
+            "multimodal_evictions": s.evictions,
+            "multimodal_held_items": len(store),
+            "multimodal_held_bytes": store.held_bytes,
         }
 
     def on_protocol_error(self, client_id: bytes, exc: ProtocolError, now: float) -> Effects:
@@ -545,9 +591,24 @@ class SessionTable:
         problem = self._check_gateway_fields(msg)
         if problem is not None:
             return self._refuse(client_id, request_id, ErrorCode.INVALID_REQUEST, problem)
+        submitted = msg
+        if msg.multimodal:
+            store = self.multimodal
+            if store is None:
+                return self._refuse(
+                    client_id,
+                    request_id,
+                    ErrorCode.UNSUPPORTED,
+                    f"model {self.info.model_name!r} takes no multimodal items",
+                )
+            try:
+                items = store.resolve(client.session_id, msg.multimodal, prompt_tokens)
+            except ItemProblem as exc:
+                return self._refuse(client_id, request_id, exc.code, exc.message)
+            submitted = msgspec.structs.replace(msg, multimodal=items)
         engine_request_id = f"{self._engine_id_prefix}{next(self._engine_ids)}"
         try:
-            prepared = self._prepare(engine_request_id, msg)
+            prepared = self._prepare(engine_request_id, submitted)
         except RequestRejected as exc:
             return self._refuse(client_id, request_id, exc.code, exc.message)
         except Exception as exc:  # a bug in preparing this one request: fail it alone
@@ -558,6 +619,8 @@ class SessionTable:
                 ErrorCode.INTERNAL,
                 f"the gateway failed to prepare request {request_id!r}: {exc!r}",
             )
+        if submitted is not msg:
+            self.multimodal.remember(client.session_id, msg.multimodal, submitted.multimodal)
         n = len(prepared)
         samples = [
             _Sample(
@@ -963,6 +1026,8 @@ class SessionTable:
     ) -> None:
         """End every live request of a client and forget its session."""
         client = self._clients.pop(client_id)
+        if self.multimodal is not None:
+            self.multimodal.drop_session(client.session_id)
         self._end_requests(list(client.requests.values()), ending, effects, now=now)
 
     def _all_requests(self) -> list[_Request]:

@@ -15,7 +15,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MODEL_CONFIG", "TINY_EOS_TOKEN_IDS", "default_cache_dir", "ensure_tiny_model"]
+__all__ = [
+    "TINY_MODEL_CONFIG",
+    "TINY_EOS_TOKEN_IDS",
+    "TINY_VLM_IMAGE_TOKEN",
+    "default_cache_dir",
+    "ensure_tiny_model",
+    "ensure_tiny_vlm",
+]
 
 TINY_EOS_TOKEN_IDS = [2, 3]
 TINY_MODEL_CONFIG = dict(
@@ -73,15 +80,106 @@ def ensure_tiny_model(cache_dir: Path | None = None, weights_seed: int = 0) -> P
     return path
 
 
+TINY_VLM_IMAGE_TOKEN = 6
+_VLM_VERSION = "v1"
+_VLM_SPECIAL = ["<unk>", "<s>", "</s>", "<end_of_utterance>", "<fake_token_around_image>"]
+_VLM_SPECIAL += ["<global-img>", "<image>", "\n"]
+_VLM_SPECIAL += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+
+
+def ensure_tiny_vlm(cache_dir: Path | None = None) -> Path:
+    """Return the path of a tiny random Idefics3 (SmolVLM's architecture: SigLIP, pixel
+    shuffle, Llama), generating it on first use, with its image processor and a local
+    WordLevel tokenizer (ids 0-43 special, ``t44`` .. ``t511`` plain words; ``<image>`` is
+    ``TINY_VLM_IMAGE_TOKEN``). Images are resized to a longest edge of 112 and cut into
+    56-pixel tiles plus a global view, 4 image tokens each: up to 20 per image."""
+    path = (cache_dir or default_cache_dir()) / f"tiny-idefics3-{_VLM_VERSION}"
+    marker = path / "engine-gateway.json"
+    if marker.exists():
+        return path
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    vocab = {token: i for i, token in enumerate(_VLM_SPECIAL)}
+    vocab.update({f"t{i}": i for i in range(len(vocab), 512)})
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    images = Idefics3ImageProcessorPil(
+        do_image_splitting=True,
+        size={"longest_edge": 112},
+        max_image_size={"longest_edge": 56},
+    )
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4)
+    config = Idefics3Config(
+        vision_config=Idefics3VisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=2048,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        image_token_id=TINY_VLM_IMAGE_TOKEN,
+        scale_factor=2,
+        vocab_size=512,
+        pad_token_id=0,
+    )
+    model = Idefics3ForConditionalGeneration(config)
+    _draw_weights(model, 0, std=0.05)
+    model = model.to(torch.bfloat16)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(tmp)
+    (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VLM_VERSION}))
+    try:
+        tmp.rename(path)
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def _draw_weights(model: Any, seed: int, std: float) -> None:
-    """Every parameter from one seeded float64 stream, in name order: norm scales 1,
-    matrices normal(0, std), as transformers initializes a Llama."""
+    """Every parameter from one seeded float64 stream, in name order: biases 0, norm
+    scales 1, matrices normal(0, std), as transformers initializes a Llama."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            if param.dim() == 1:
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if param.dim() == 1 and name.endswith(".bias"):
+                param.zero_()
+            elif param.dim() == 1:
                 param.fill_(1.0)
             else:
                 drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64)

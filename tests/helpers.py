@@ -257,3 +257,12 @@ async def until(predicate, timeout: float = 30.0) -> None:  # noqa: ANN001
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.005)
+
+
+def noise_image(width: int, height: int, seed: int):  # noqa: ANN201 - a PIL image
+    """A deterministic RGB noise image (the same on every machine)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

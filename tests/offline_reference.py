@@ -19,11 +19,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_offline_reference(
-    model: str, max_model_len: int, cases: list[dict], *, tokenizer: bool = False
+    model: str,
+    max_model_len: int,
+    cases: list[dict],
+    *,
+    tokenizer: bool = False,
+    engine: dict | None = None,
 ) -> list[dict]:
     """Run ``cases`` through offline ``LLM.generate`` in a subprocess; one result per case.
-    ``tokenizer``: load the model's tokenizer (vLLM's default) instead of skipping it."""
-    spec = {"model": model, "max_model_len": max_model_len, "cases": cases, "tokenizer": tokenizer}
+    ``tokenizer``: load the model's tokenizer (vLLM's default) instead of skipping it;
+    ``engine``: more of ``LLM``'s arguments. A case's ``images`` go to vLLM's own
+    multimodal processor with its prompt."""
+    spec = {
+        "model": model,
+        "max_model_len": max_model_len,
+        "cases": cases,
+        "tokenizer": tokenizer,
+        "engine": engine or {},
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "tests.offline_reference"],
         input=json.dumps(spec),
@@ -54,6 +67,7 @@ def main() -> None:
         max_model_len=spec["max_model_len"],
         seed=0,
         **({"enable_lora": True, "max_lora_rank": 8} if loras else {}),
+        **spec.get("engine", {}),
     )
     results = []
     for case in spec["cases"]:
@@ -69,8 +83,13 @@ def main() -> None:
             from vllm.lora.request import LoRARequest
 
             lora_request = LoRARequest(*case["lora"])
+        prompt = TokensPrompt(prompt_token_ids=case["prompt"])
+        if case.get("images"):  # [[width, height, seed], ...]: tests.helpers.noise_image
+            from tests.helpers import noise_image
+
+            prompt["multi_modal_data"] = {"image": [noise_image(*i) for i in case["images"]]}
         (out,) = llm.generate(
-            [TokensPrompt(prompt_token_ids=case["prompt"])],
+            [prompt],
             params,
             use_tqdm=False,
             lora_request=lora_request,

@@ -94,7 +94,17 @@ def engine_config(engine_args: Any, gateway_count: int = 1, gateway_index: int =
 
     engine_args._api_process_count = gateway_count
     engine_args._api_process_rank = gateway_index
-    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    if config.model_config.is_multimodal_model and (
+        engine_args.skip_tokenizer_init or engine_args.mm_processor_cache_gb
+    ):
+        # vLLM's multimodal budget and the gateway's probe of the model's processor need
+        # the tokenizer; items arrive processed, and always with their tensors, so the
+        # engine's processor cache (which would keep a copy of each) is left off.
+        engine_args.skip_tokenizer_init = False
+        engine_args.mm_processor_cache_gb = 0
+        config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    return config
 
 
 def default_engine_args(model: str, **overrides: Any) -> Any:

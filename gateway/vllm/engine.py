@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from copy import copy
 from typing import Any
 
-from codec import EngineLoad, EngineStats, Generate
+from codec import EngineLoad, EngineStats, ErrorCode, Generate
 from codec import SamplingParams as WireSamplingParams
 
 from ..engine import EngineControls, EngineInfo, sample_engine_request_id
@@ -32,6 +32,7 @@ from .failures import engine_death_named as _engine_death_named
 from .failures import engine_failure as _engine_failure
 from .failures import vllm_failure_text
 from .launch import EngineGroup, describe_exit, exiting, watch_output_socket
+from .multimodal import MultimodalInputs
 from .outputs import ConvertedOutput, stopping_eos_token_ids, to_wire_logprobs
 from .prefix_routing import PrefixRouting
 from .transfer import WeightTransferControls
@@ -116,6 +117,12 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             self._processor.generation_config_fields or {},
             self._processor.renderer.get_eos_token_id() if has_tokenizer else None,
         )
+        self._multimodal: MultimodalInputs | None = None
+        if model_config.is_multimodal_model:
+            processor = self._processor.renderer.get_mm_processor()
+            self._multimodal = MultimodalInputs.for_model(processor, model_config)
+        self.last_encoder_cache_counts: dict[str, int] = {}
+        self._encoder_poll: asyncio.Task | None = None
         max_logprobs = model_config.max_logprobs
         vocab_size = model_config.get_vocab_size()
         self.info = EngineInfo(
@@ -126,6 +133,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs,
             max_num_seqs=self._max_num_seqs,
             cpu_attention=cpu_attention_isa(vllm_config),
+            modalities=self._multimodal.modalities if self._multimodal is not None else (),
         )
 
     @classmethod
@@ -180,6 +188,8 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             client.shutdown()
             raise
         engine._watch_engine_processes(asyncio.get_running_loop())
+        if engine._multimodal is not None:
+            engine._encoder_poll = asyncio.create_task(engine._poll_encoder_cache_counts())
         return engine
 
     # ------------------------------------------------------------ Engine Protocol
@@ -448,6 +458,28 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         """Names clients may use now: loaded at runtime, or with --lora-module at start."""
         return sorted(self._lora_modules)
 
+    async def _poll_encoder_cache_counts(self, interval_s: float = 5.0) -> None:
+        """Keep ``last_encoder_cache_counts`` fresh for the metrics."""
+        while not self._closed:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(Exception):  # a dying engine: its death is told elsewhere
+                await self.encoder_cache_counts()
+
+    async def encoder_cache_counts(self) -> dict[str, int]:
+        """The engines' encoder cache hits and encoder runs (the plugin counts them); also
+        kept for the metrics (``last_encoder_cache_counts``)."""
+        if self._multimodal is None or self._client.resources.engine_dead:
+            return {}
+        from .plugin import ENCODER_CACHE_COUNTS
+
+        per_engine = await self._client.call_utility_all_async(ENCODER_CACHE_COUNTS)
+        counts = {
+            "encoder_cache_hits": sum(c["hits"] for c in per_engine),
+            "encoder_runs": sum(c["encoder_runs"] for c in per_engine),
+        }
+        self.last_encoder_cache_counts = counts
+        return counts
+
     def engine_stats(self) -> list[EngineStats]:
         """Per engine (DP rank): the latest scheduler stats; empty without engine_stats."""
         return [self._stats[index] for index in sorted(self._stats)]
@@ -575,6 +607,8 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         if not self._closed:
             self._closed = True
             self._stop_watching()
+            if self._encoder_poll is not None:
+                self._encoder_poll.cancel()
             await self._stop_routing()
             self._client.shutdown()
             death_report(self._engine_pids, remove=True)  # if one was written
@@ -677,9 +711,16 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             if options.lora_name is not None:
                 lora_request = self._lora_request(options.lora_name)
                 lora_load = self._lora_loads.get(options.lora_name, 0)
-        prompt = tokens_input(
-            list(request.prompt_token_ids), cache_salt=self._cache_salt(client_salt, lora_load)
-        )
+        salt = self._cache_salt(client_salt, lora_load)
+        if request.multimodal:
+            if self._multimodal is None:
+                raise RequestRejected(
+                    f"model {self.info.model_name!r} takes no multimodal items",
+                    ErrorCode.UNSUPPORTED,
+                )
+            prompt = self._multimodal.build(request.prompt_token_ids, request.multimodal, salt)
+        else:
+            prompt = tokens_input(list(request.prompt_token_ids), cache_salt=salt)
         core_request = self._processor.process_inputs(
             engine_request_id,
             prompt,

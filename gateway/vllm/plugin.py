@@ -59,6 +59,8 @@ def load_vllm_plugin() -> None:
       at the endpoint plus ``_dp{r}`` (vLLM offsets tcp ports and refuses ipc), so the
       gateway's prefix routing (``--routing cache``) keeps its events off the network
       (``_offset_ipc_kv_event_endpoints``).
+    - The encoder cache's hits and encoder runs are counted, for the gateway's multimodal
+      metrics (``_count_encoder_cache_hits``: vLLM reports neither).
     - Weight updates through vLLM's weight-transfer API never leave a half-updated model
       serving unknowingly (``weight_updates``), and the ``cpu`` backend is registered
       (``cpu_transfer``: ``--weight-transfer-config '{"backend": "cpu"}'``).
@@ -72,6 +74,7 @@ def load_vllm_plugin() -> None:
     _register_cpu_weight_transfer()
     _report_worker_deaths()
     _offset_ipc_kv_event_endpoints()
+    _count_encoder_cache_hits()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -95,6 +98,40 @@ def _offset_ipc_kv_event_endpoints() -> None:
 
     offset_endpoint_port.engine_gateway = True  # type: ignore[attr-defined]
     ZmqEventPublisher.offset_endpoint_port = staticmethod(offset_endpoint_port)
+
+
+ENCODER_CACHE_COUNTS = "engine_gateway_encoder_cache_counts"
+
+
+def _count_encoder_cache_hits() -> None:
+    """Count, in the scheduler's encoder cache, the multimodal items found computed (hits:
+    an item seen again, in this request or a recent one) and the items the encoder runs
+    for; the gateway reads them with the EngineCore utility ``ENCODER_CACHE_COUNTS``."""
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EncoderCacheManager, "_engine_gateway_counts", False):
+        return
+    check, allocate = EncoderCacheManager.check_and_update_cache, EncoderCacheManager.allocate
+    counts = {"hits": 0, "encoder_runs": 0}
+
+    def check_and_update_cache(self: Any, request: Any, input_id: int) -> bool:
+        hit = check(self, request, input_id)
+        if hit:
+            counts["hits"] += 1
+        return hit
+
+    def allocate_(self: Any, request: Any, input_id: int) -> None:
+        allocate(self, request, input_id)
+        counts["encoder_runs"] += 1
+
+    def encoder_cache_counts(self: Any) -> dict[str, int]:
+        return dict(counts)
+
+    EncoderCacheManager.check_and_update_cache = check_and_update_cache
+    EncoderCacheManager.allocate = allocate_
+    EncoderCacheManager._engine_gateway_counts = True
+    setattr(EngineCore, ENCODER_CACHE_COUNTS, encoder_cache_counts)
 
 
 def _register_cpu_weight_transfer() -> None:

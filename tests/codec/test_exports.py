@@ -24,6 +24,8 @@ EXPECTED_CODEC = {
     "ErrorCode",
     "SamplingParams",
     "RequestOptions",
+    "Tensor",
+    "MultimodalItem",
     "Hello",
     "Generate",
     "Abort",

@@ -31,18 +31,29 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 _PAIR = re.compile(r"```hex\n(.*?)```\n```json\n(.*?)```", re.S)
 
 
+def _bins(value: object) -> object:
+    """The JSON's ``{"$bin": hex}`` stands for msgpack bin."""
+    if isinstance(value, dict):
+        if set(value) == {"$bin"}:
+            return bytes.fromhex(value["$bin"])
+        return {k: _bins(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_bins(v) for v in value]
+    return value
+
+
 def _dumps() -> list[tuple[list[bytes], object]]:
     pairs = []
     for hex_text, json_text in _PAIR.findall(DOC.read_text()):
         lines = hex_text.strip().splitlines()
         version = bytes.fromhex(lines[0])
         payload = bytes.fromhex(" ".join(lines[1:]))
-        pairs.append(([version, payload], json.loads(json_text)))
+        pairs.append(([version, payload], _bins(json.loads(json_text))))
     return pairs
 
 
 def test_the_document_has_its_dumps():
-    assert [value[0] for _, value in _dumps()] == [1, 2, 65, 3, 66, 7, 72, 20, 21, 23, 74]
+    assert [value[0] for _, value in _dumps()] == [1, 2, 2, 65, 3, 66, 7, 72, 20, 21, 23, 74]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -55,7 +66,9 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 
 def test_dumps_decode_to_the_described_messages():
     dumps = [frames for frames, _ in _dumps()]
-    hello, generate, outputs, abort, error, pause, done, update, finish, query, reply = dumps
+    hello, generate, images, outputs, abort, error, pause, done, update, finish, query, reply = (
+        dumps
+    )
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
     g = decode_client(generate)
@@ -66,6 +79,17 @@ def test_dumps_decode_to_the_described_messages():
         16,
         [2],
     )
+    assert g.multimodal is None
+    m = decode_client(images)
+    assert isinstance(m, Generate) and m.prompt_token_ids == [50, 4, 6, 6, 60, 6, 6]
+    first_item, again = m.multimodal
+    assert (first_item.hash, first_item.offset, first_item.length) == ("img-1", 1, 3)
+    assert first_item.is_embed == [False, True, True]
+    pixels = first_item.tensors["pixel_values"]
+    assert (pixels.dtype, pixels.shape) == ("bfloat16", [1, 2])
+    assert bytes(pixels.data) == b"\x00?\x80\xbf"
+    assert bytes(first_item.tensors["num_patches"].data) == (1).to_bytes(8, "little")
+    assert (again.hash, again.offset, again.length, again.tensors) == ("img-1", 5, 2, None)
     o = decode_server(outputs)
     assert isinstance(o, Outputs)
     first, second = o.outputs

@@ -59,16 +59,17 @@ def project_modules() -> dict[str, set[str]]:
     return modules
 
 
-# The trainer's adapter to vLLM's trainer-engine factory (the ``trainer`` extra; a trainer
-# that uses it has vLLM installed): the one client module that may import vLLM.
-VLLM_TRAINER_ADAPTER = "client.vllm_trainer"
+# The client modules that may import vLLM, each for a user who has it installed: the
+# trainer's adapter to vLLM's trainer-engine factory (the ``trainer`` extra), and the
+# multimodal helper that runs vLLM's processor (the ``multimodal`` extra).
+CLIENT_VLLM_ADAPTERS = ("client.vllm_trainer", "client.multimodal_processor")
 
 
 def test_only_the_vllm_package_imports_vllm():
     offenders = {
         name: sorted(i for i in imports if i == "vllm" or i.startswith("vllm."))
         for name, imports in project_modules().items()
-        if not name.startswith("gateway.vllm") and name != VLLM_TRAINER_ADAPTER
+        if not name.startswith("gateway.vllm") and name not in CLIENT_VLLM_ADAPTERS
     }
     assert {n: i for n, i in offenders.items() if i} == {}
 

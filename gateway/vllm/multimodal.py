@@ -1,0 +1,323 @@
+"""Multimodal items into vLLM: what the model's processor makes, learned at start-up, and
+each client item checked against it and built into vLLM's ``MultiModalKwargsItem``.
+
+Owns: the probe of vLLM's own multimodal processor on images of several sizes (tensor names,
+dtypes, ranks, the dims that never change, which counts the others follow, the tokens a
+placeholder embeds at, and how many embeddings an item fills); the checks of a client's
+processed item against that (anything else would fail inside the engine, for every
+client); and the ``mm_input`` vLLM's InputProcessor takes. The processor itself never runs
+on a request. Imports vLLM and torch; only this package does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from codec import ErrorCode, MultimodalItem
+
+from ..errors import RequestRejected
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModalitySchema", "MultimodalInputs", "probe_image_schema"]
+
+_FLOATING = {"float32", "float16", "bfloat16", "float64"}
+
+
+@dataclass(slots=True)
+class _KeySpec:
+    dtype: str  # torch's name, as the processor's output (floating: the model's dtype)
+    ndim: int
+    field: Any  # vLLM's field (batched / flat / shared) of the probed items
+    fixed: dict[int, int] = field(default_factory=dict)  # dim -> size in every probe
+    follows: dict[int, str] = field(default_factory=dict)  # dim -> count key it equals
+    value: int | None = None  # a 1-element integer tensor the same in every probe
+
+
+@dataclass(slots=True)
+class ModalitySchema:
+    """What the model's processor makes for one item of ``modality``."""
+
+    modality: str
+    keys: dict[str, _KeySpec]
+    placeholder_ids: frozenset[int]  # tokens at the embedding positions of a placeholder
+    # Embeddings per item: ``scale`` x the product of ``count_key``'s values (``divide``:
+    # divided instead), or ``scale`` alone without a count key.
+    count_key: str | None
+    scale: int
+    divide: bool = False
+
+    def embeds(self, values: dict[str, list[int]]) -> int | None:
+        if self.count_key is None:
+            return self.scale
+        product = math.prod(values[self.count_key])
+        if self.divide:
+            return product // self.scale if product % self.scale == 0 else None
+        return product * self.scale
+
+
+def _count_values(item: Any) -> dict[str, list[int]]:
+    """The integer tensors of up to 8 elements in a vLLM item: candidate counts."""
+    import torch
+
+    counts = {}
+    for key, elem in item.items():
+        data = elem.data
+        if isinstance(data, torch.Tensor) and not data.is_floating_point() and data.numel() <= 8:
+            counts[key] = [int(v) for v in data.flatten().tolist()]
+    return counts
+
+
+def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
+    """(vLLM item, placeholder, prompt ids) for images of four sizes, from the model's
+    processor as vLLM runs it on a request."""
+    from PIL import Image
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+    from vllm.multimodal.processing.processor import TimingContext
+
+    model_config = processor.info.ctx.model_config
+    mm_config = model_config.get_multimodal_config()
+    options = mm_config.limit_per_prompt
+    seq_len = model_config.max_model_len
+    dummy = processor.get_dummy_inputs(seq_len, {"image": 1}, options)
+    data = processor.dummy_inputs.get_dummy_mm_data(seq_len, {"image": 1}, options)
+    image = data["image"]
+    width, height = (image[0] if isinstance(image, list) else image).size
+    sizes = [(width, height), (width, max(height // 3, 1)), (max(width // 3, 1), height)]
+    sizes.append((max(width // 4, 1), max(height // 4, 1)))
+    probes = []
+    for w, h in sizes:
+        picture = Image.new("RGB", (w, h), color=(37 * w % 256, 91, 200))
+        inputs = ProcessorInputs(
+            prompt=list(dummy.prompt),
+            mm_data_items=processor.info.parse_mm_data({"image": [picture]}),
+            hf_processor_mm_kwargs=dummy.hf_processor_mm_kwargs,
+        )
+        out = processor.apply(inputs, timing_ctx=TimingContext(enabled=False))
+        probes.append(
+            (out["mm_kwargs"]["image"][0], out["mm_placeholders"]["image"][0],
+             out["prompt_token_ids"])
+        )  # fmt: skip
+    return probes
+
+
+def probe_image_schema(processor: Any) -> ModalitySchema:
+    """Learn the image schema from vLLM's processor; ValueError if the items it makes do not
+    follow one rule the gateway can check (then images are refused as UNSUPPORTED)."""
+    import torch
+
+    probes = _probe_images(processor)
+    items = [item for item, _, _ in probes]
+    names = set(items[0])
+    if any(set(item) != names for item in items):
+        raise ValueError("the processor's items have different tensor names per image size")
+    counts = [_count_values(item) for item in items]
+    keys: dict[str, _KeySpec] = {}
+    for name in sorted(names):
+        datas = [item[name].data for item in items]
+        if not all(isinstance(d, torch.Tensor) for d in datas):
+            raise ValueError(f"{name!r} is not one tensor per item")
+        dtype = str(datas[0].dtype).removeprefix("torch.")
+        ndim = datas[0].dim()
+        if any(str(d.dtype).removeprefix("torch.") != dtype or d.dim() != ndim for d in datas):
+            raise ValueError(f"{name!r} changes dtype or rank with the image size")
+        spec = _KeySpec(dtype, ndim, items[0][name].field)
+        for dim in range(ndim):
+            sizes = [d.shape[dim] for d in datas]
+            if len(set(sizes)) == 1:
+                spec.fixed[dim] = sizes[0]
+                continue
+            for count_key in sorted(counts[0]):
+                if all(math.prod(c[count_key]) == s for c, s in zip(counts, sizes, strict=True)):
+                    spec.follows[dim] = count_key
+                    break
+            else:
+                raise ValueError(f"dim {dim} of {name!r} follows no count the item carries")
+        if name in counts[0] and len({tuple(c[name]) for c in counts}) == 1:
+            spec.value = counts[0][name][0] if len(counts[0][name]) == 1 else None
+        keys[name] = spec
+    embeds = [placeholder.get_num_embeds() for _, placeholder, _ in probes]
+    placeholder_ids = set()
+    for _, placeholder, prompt in probes:
+        mask = placeholder.is_embed
+        for i in range(placeholder.length):
+            if mask is None or bool(mask[i]):
+                placeholder_ids.add(prompt[placeholder.offset + i])
+    schema = _embed_rule(embeds, counts)
+    return ModalitySchema("image", keys, frozenset(placeholder_ids), *schema)
+
+
+def _embed_rule(embeds: list[int], counts: list[dict[str, list[int]]]) -> tuple:
+    if len(set(embeds)) == 1:
+        return None, embeds[0], False
+    for key in sorted(counts[0]):
+        products = [math.prod(c[key]) for c in counts]
+        if all(p > 0 for p in products):
+            if all(e % p == 0 for e, p in zip(embeds, products, strict=True)):
+                scales = {e // p for e, p in zip(embeds, products, strict=True)}
+                if len(scales) == 1:
+                    return key, scales.pop(), False
+            if all(p % e == 0 for e, p in zip(embeds, products, strict=True)):
+                scales = {p // e for e, p in zip(embeds, products, strict=True)}
+                if len(scales) == 1:
+                    return key, scales.pop(), True
+    raise ValueError(f"the embeddings per image ({embeds}) follow no count the item carries")
+
+
+@dataclass(slots=True)
+class MultimodalInputs:
+    """Builds vLLM's ``mm_input`` from a Generate's resolved items (each with tensors, its
+    ``hash`` the gateway's content id)."""
+
+    schemas: dict[str, ModalitySchema]
+    model_dtype: Any  # torch dtype floating tensors are cast to, as vLLM's processor does
+
+    @classmethod
+    def for_model(cls, processor: Any, model_config: Any) -> MultimodalInputs:
+        """The schemas of the modalities the gateway can check for this model (images)."""
+        schemas = {}
+        if "image" in processor.info.supported_mm_limits:
+            try:
+                schemas["image"] = probe_image_schema(processor)
+            except Exception as exc:  # any failure means "cannot check"
+                logger.warning("multimodal images are refused for this model: %s", exc)
+        return cls(schemas, model_config.dtype)
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(sorted(self.schemas))
+
+    def build(self, prompt: Sequence[int], items: Sequence[MultimodalItem], cache_salt: str):
+        """vLLM's ``mm_input`` for ``prompt`` with ``items``; RequestRejected naming the
+        item and field when an item is not what the model's processor makes."""
+        import torch
+        from vllm.inputs.engine import mm_input
+        from vllm.multimodal.inputs import (
+            MultiModalFieldElem,
+            MultiModalKwargsItem,
+            MultiModalKwargsItems,
+            PlaceholderRange,
+        )
+
+        kwargs: dict[str, list[Any]] = {}
+        hashes: dict[str, list[str]] = {}
+        placeholders: dict[str, list[Any]] = {}
+        for index, item in enumerate(items):
+            where = f"multimodal[{index}]"
+            schema = self.schemas.get(item.modality)
+            if schema is None:
+                known = ", ".join(self.modalities) or "none"
+                raise RequestRejected(
+                    f"{where}: modality {item.modality!r} is not served by this model"
+                    f" (modalities: {known})",
+                    ErrorCode.UNSUPPORTED,
+                )
+            tensors = self._tensors(where, schema, item)
+            values = _count_values_of(tensors)
+            self._check_counts(where, schema, tensors, values)
+            mask = item.is_embed
+            positions = range(item.offset, item.offset + item.length)
+            embed_at = [p for i, p in enumerate(positions) if mask is None or mask[i]]
+            expected = schema.embeds(values)
+            if expected != len(embed_at):
+                raise RequestRejected(
+                    f"{where}: its tensors make {expected} embeddings, but its placeholder"
+                    f" marks {len(embed_at)} positions (offset {item.offset}, length"
+                    f" {item.length}, is_embed)"
+                )
+            wrong = next((p for p in embed_at if prompt[p] not in schema.placeholder_ids), None)
+            if wrong is not None:
+                raise RequestRejected(
+                    f"{where}: prompt position {wrong} holds token {prompt[wrong]}, not the"
+                    f" model's placeholder token ({sorted(schema.placeholder_ids)})"
+                )
+            vllm_item = MultiModalKwargsItem(
+                {
+                    name: MultiModalFieldElem(data=tensor, field=schema.keys[name].field)
+                    for name, tensor in tensors.items()
+                }
+            )
+            kwargs.setdefault(item.modality, []).append(vllm_item)
+            hashes.setdefault(item.modality, []).append(item.hash)
+            is_embed = None if mask is None else torch.tensor(mask, dtype=torch.bool)
+            placeholders.setdefault(item.modality, []).append(
+                PlaceholderRange(offset=item.offset, length=item.length, is_embed=is_embed)
+            )
+        return mm_input(
+            list(prompt),
+            MultiModalKwargsItems(kwargs),
+            hashes,
+            placeholders,
+            cache_salt=cache_salt,
+        )
+
+    def _tensors(self, where: str, schema: ModalitySchema, item: MultimodalItem) -> dict:
+        import torch
+
+        given = item.tensors or {}
+        if set(given) != set(schema.keys):
+            missing = sorted(set(schema.keys) - set(given))
+            extra = sorted(set(given) - set(schema.keys))
+            raise RequestRejected(
+                f"{where}: tensors must be exactly {sorted(schema.keys)}"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {extra}" if extra else "")
+            )
+        tensors = {}
+        for name, wire in given.items():
+            spec = schema.keys[name]
+            floating = spec.dtype in _FLOATING
+            if wire.dtype != spec.dtype and not (floating and wire.dtype in _FLOATING):
+                kind = "a floating dtype" if floating else spec.dtype
+                raise RequestRejected(
+                    f"{where}: tensors[{name!r}].dtype is {wire.dtype}; the model takes {kind}"
+                )
+            if len(wire.shape) != spec.ndim:
+                raise RequestRejected(
+                    f"{where}: tensors[{name!r}] has shape {wire.shape}; the model takes"
+                    f" {spec.ndim} dims"
+                )
+            for dim, size in spec.fixed.items():
+                if wire.shape[dim] != size:
+                    raise RequestRejected(
+                        f"{where}: tensors[{name!r}] has shape {wire.shape}; dim {dim} must"
+                        f" be {size}"
+                    )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a read-only view of the received frame
+                tensor = torch.frombuffer(wire.data, dtype=getattr(torch, wire.dtype))
+            tensor = tensor.reshape(wire.shape) if wire.shape else tensor.reshape(())
+            if floating:
+                tensor = tensor.to(self.model_dtype)
+            tensors[name] = tensor
+        return tensors
+
+    @staticmethod
+    def _check_counts(where: str, schema: ModalitySchema, tensors: dict, values: dict) -> None:
+        for name, spec in schema.keys.items():
+            if spec.value is not None and values.get(name) != [spec.value]:
+                raise RequestRejected(
+                    f"{where}: tensors[{name!r}] must be {spec.value} for this model"
+                )
+            for dim, count_key in spec.follows.items():
+                count = math.prod(values.get(count_key, [-1]))
+                if tensors[name].shape[dim] != count:
+                    raise RequestRejected(
+                        f"{where}: dim {dim} of tensors[{name!r}] is"
+                        f" {tensors[name].shape[dim]}; tensors[{count_key!r}] says {count}"
+                    )
+        if schema.count_key is not None and any(v <= 0 for v in values[schema.count_key]):
+            raise RequestRejected(f"{where}: tensors[{schema.count_key!r}] must be positive")
+
+
+def _count_values_of(tensors: dict) -> dict[str, list[int]]:
+    return {
+        name: [int(v) for v in t.flatten().tolist()]
+        for name, t in tensors.items()
+        if not t.is_floating_point() and t.numel() <= 8
+    }
