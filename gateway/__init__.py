@@ -1,6 +1,7 @@
 """engine-gateway server: a ZeroMQ ROUTER in front of a vLLM EngineCore.
 
-Modules: server (sockets), sessions (rules, sans-IO), engine (the Engine
+Modules: server (sockets), sessions (rules, sans-IO), multimodal_store (items held for
+resending by hash, and the model-free item checks; sans-IO), engine (the Engine
 Protocol), vllm (the only vLLM importer, a package), fake_engine (unit tests and
 benchmarks), cli and serve (``engine-gateway serve``), group (``--gateway-count``).
 Importing this package does not import vLLM; nothing here imports the benchmark.

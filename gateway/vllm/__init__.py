@@ -5,7 +5,9 @@ exits), ``engine`` (``VllmEngine``, the adapter the server talks to), ``outputs`
 outputs for the wire), ``plugin`` (what runs inside vLLM's processes), ``deaths``
 (worker-death reports between the two), ``transfer``/``weight_updates``/``cpu_transfer``
 (in-memory weight updates), ``prefix_hashes`` and ``prefix_routing`` (prefix-cache routing
-over DP ranks: vLLM's block hashes, the router and the KV event feed wired in). vLLM is
+over DP ranks: vLLM's block hashes, the router and the KV event feed wired in),
+``multimodal`` (what the model's processor makes, learned at start-up; items checked and built
+into vLLM's). vLLM is
 imported inside functions, so importing this package does not import it. Supported vLLM:
 ``SUPPORTED_VLLM`` (0.32.x).
 """
