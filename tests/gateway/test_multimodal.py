@@ -249,3 +249,37 @@ async def test_a_text_model_refuses_items(real_gateway, processor):
             await _tokens(client, prompt, bare)
         assert caught.value.code is ErrorCode.UNSUPPORTED
         assert "takes no multimodal items" in str(caught.value)
+
+
+async def test_the_blocking_client_and_the_metrics(vlm_gateway, processor, offline):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from client import Client
+    from gateway.metrics import GatewayCollector
+
+    prompt, items = _processed(processor, CASES[4])
+
+    def run() -> list[list[int]]:  # in a thread: the gateway runs on this test's loop
+        with Client(vlm_gateway.addresses[0]) as client:
+            return [
+                [t for out in client.generate(p, greedy(8), multimodal=items)
+                 for t in out.new_token_ids]
+                for p in (prompt, [55, *prompt[1:]])  # the second by hash, an encoder hit
+            ]  # fmt: skip
+
+    first, _ = await asyncio.to_thread(run)
+    assert first == offline[4]
+    await vlm_gateway.engine.encoder_cache_counts()  # what the 5 s poll keeps fresh
+    registry = CollectorRegistry()
+    registry.register(GatewayCollector(vlm_gateway))
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in generate_latest(registry).decode().splitlines()
+        if line and not line.startswith("#")
+    }
+    stats = vlm_gateway.table.gateway_stats()
+    assert values["engine_gateway_multimodal_items_total"] == stats["multimodal_items"] > 0
+    assert values["engine_gateway_multimodal_item_bytes_total"] == stats["multimodal_item_bytes"]
+    assert values["engine_gateway_multimodal_items_by_hash_total"] >= 1
+    assert values["engine_gateway_encoder_runs_total"] >= 1
+    assert values["engine_gateway_encoder_cache_hits_total"] >= 1
