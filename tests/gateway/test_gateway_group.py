@@ -215,7 +215,9 @@ async def test_a_gateway_that_exits_3_takes_the_group_with_it(gateway_process, t
     """One gateway finds the engines dead (here: told so directly, SIGUSR1) and exits 3:
     the supervisor fans that out, so the other gateway ends its requests with ENGINE_DEAD
     too and every process exits 3, rather than serving on beside engines deemed dead."""
-    supervisor = gateway_process(*long_context_args(tmp_path), "--gateway-count", "2")
+    supervisor = gateway_process(
+        *long_context_args(tmp_path), "--gateway-count", "2", "--control-open"
+    )
     addresses = group_addresses(supervisor)
     async with pool_on(addresses) as pool:
         streams = [await started(pool, [3 + i]) for i in range(4)]
@@ -223,6 +225,9 @@ async def test_a_gateway_that_exits_3_takes_the_group_with_it(gateway_process, t
         family = [p.pid for p in supervisor.descendants()]
         pids = gateway_pids(supervisor.output())
         try:
+            # Held in the engine (Pause keep), no stream can end on its own before the
+            # fan-out reaches it, however slow a starved box makes the group's exit.
+            await pool.clients[0].pause("keep")
             os.kill(pids[1], signal.SIGUSR1)
             for stream in streams:
                 error = await stream_outcome(stream)
