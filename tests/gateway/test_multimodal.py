@@ -94,6 +94,11 @@ def _processed(processor, case):
 async def test_images_match_offline_vllm(vlm_gateway, processor, offline):
     # The images must matter, or equal outputs would prove nothing.
     assert offline[0] != offline[1]
+    # What the probe of vLLM's processor learnt: 4 embeddings per tile, tiles = num_patches.
+    schema = vlm_gateway.engine._multimodal.schemas["image"]
+    assert (schema.count_key, schema.scale, schema.placeholder_ids) == ("num_patches", 4, {IMG})
+    assert schema.keys["pixel_values"].follows == {0: "num_patches"}
+    assert schema.keys["pixel_values"].fixed == {1: 3, 2: 56, 3: 56}
     async with AsyncClient(vlm_gateway.addresses[0]) as client:
         assert client.hello_ack.model.modalities == ["image"]
         assert client.hello_ack.limits.max_multimodal_items == 16

@@ -1,0 +1,52 @@
+"""A second architecture through the same path: a tiny PaliGemma (SigLIP, a fixed 4 image
+tokens per image, inserted before the prompt by vLLM's processor). Its vision tower loads on
+this CPU wheel only with the plugin's fix (``client.vllm_wheel``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from client import AsyncClient
+from tests.conftest import cpu_engine_args, engine_gateway
+from tests.helpers import greedy, noise_image
+from tests.offline_reference import run_offline_reference
+from tests.vlm_models import PALIGEMMA_IMAGE_TOKEN, make_tiny_paligemma
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
+
+ENGINE = {"block_size": 32}
+CASES = [([2, 50, 60], (40, 30, 1)), ([2, 50, 60], (40, 30, 2)), ([2, 51], (16, 64, 3))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(make_tiny_paligemma(tmp_path_factory.mktemp("vlm") / "tiny-paligemma"))
+
+
+async def test_paligemma_images_match_offline_vllm(model):
+    from client.multimodal_processor import MultimodalProcessor
+
+    cases = [
+        {"prompt": p, "images": [list(i)], "sampling": {"temperature": 0.0, "max_tokens": 8,
+                                                        "ignore_eos": True}}
+        for p, i in CASES
+    ]  # fmt: skip
+    offline = [
+        r["samples"][0]["token_ids"]
+        for r in run_offline_reference(model, 512, cases, tokenizer=True, engine=ENGINE)
+    ]
+    assert offline[0] != offline[1]  # the image decides the output
+    processor = MultimodalProcessor(model)
+    async with engine_gateway(cpu_engine_args(model, **ENGINE)) as gateway:
+        schema = gateway.engine._multimodal.schemas["image"]
+        assert (schema.count_key, schema.scale) == (None, 4)  # a fixed 4 embeddings
+        assert schema.keys["pixel_values"].fixed == {0: 3, 1: 28, 2: 28}
+        assert schema.placeholder_ids == {PALIGEMMA_IMAGE_TOKEN}
+        async with AsyncClient(gateway.addresses[0]) as client:
+            for (prompt, image), expected in zip(CASES, offline, strict=True):
+                ids, items = processor(prompt, [noise_image(*image)])
+                assert ids[:4] == [PALIGEMMA_IMAGE_TOKEN] * 4
+                tokens = []
+                async for out in client.generate(ids, greedy(8), multimodal=items):
+                    tokens += out.new_token_ids
+                assert tokens == expected
