@@ -97,6 +97,16 @@ def _check_tensor(where: str, name: str, tensor: Tensor, item_limit: int) -> Non
         )
 
 
+def _owned(item: MultimodalItem) -> MultimodalItem:
+    """``item`` with tensors of its own: received ones are views into their whole frame, which
+    would keep every other item and the prompt of that frame alive (and out of the count)."""
+    tensors = {
+        name: Tensor(t.dtype, t.shape, memoryview(bytes(t.data)))
+        for name, t in (item.tensors or {}).items()
+    }
+    return msgspec.structs.replace(item, tensors=tensors)
+
+
 @dataclass(slots=True)
 class _Entry:
     item: MultimodalItem  # tensors present, hash = content id
@@ -248,7 +258,7 @@ class MultimodalStore:
             old = self._entries.pop(key, None)
             if old is not None:
                 self.held_bytes -= old.nbytes
-            self._entries[key] = _Entry(full, nbytes)
+            self._entries[key] = _Entry(_owned(full), nbytes)
             self._sessions.setdefault(session_id, set()).add(item.hash)
             self.held_bytes += nbytes
         while self.held_bytes > self.capacity_bytes and self._entries:

@@ -61,6 +61,20 @@ def test_an_item_is_held_per_session_and_named_by_hash_later():
     assert s.stats.unknown_hashes == 2
 
 
+def test_a_held_item_owns_its_bytes_not_its_whole_frame():
+    frame = bytes(range(256)) * 64  # a received frame: the tensors are views into it
+    sent = [
+        MultimodalItem(
+            "image", "h1", 1, 4, tensors={"x": Tensor("uint8", [16], memoryview(frame)[100:116])}
+        )
+    ]
+    s = store()
+    s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))
+    (held,) = s.resolve(1, [bare("h1")], len(PROMPT))
+    data = held.tensors["x"].data
+    assert bytes(data) == frame[100:116] and len(data.obj) == 16
+
+
 def test_a_repeat_later_in_one_request_may_go_by_hash():
     s = store()
     first, second = s.resolve(1, [item("h1"), bare("h1", offset=6)], len(PROMPT))
