@@ -64,13 +64,19 @@ def ensure_tiny_model(cache_dir: Path | None = None, weights_seed: int = 0) -> P
     config = LlamaConfig(**TINY_MODEL_CONFIG)
     model = LlamaForCausalLM(config)
     _draw_weights(model, weights_seed, std=config.initializer_range)
-    model = model.to(torch.bfloat16)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    GenerationConfig(
+    generation = GenerationConfig(
         bos_token_id=1, eos_token_id=TINY_EOS_TOKEN_IDS, max_new_tokens=None
-    ).save_pretrained(tmp)
-    (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VERSION}))
+    )
+    return _publish(path, _VERSION, model.to(torch.bfloat16), generation)
+
+
+def _publish(path: Path, version: str, *parts: Any) -> Path:
+    """Save ``parts`` (anything with ``save_pretrained``) into a private folder, then rename it
+    to ``path``, marked by ``version``: a reader never sees half a model."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    for part in parts:
+        part.save_pretrained(tmp)
+    (tmp / "engine-gateway.json").write_text(json.dumps({"version": version}))
     try:
         tmp.rename(path)
     except OSError:  # another process won the race; use its copy
@@ -154,19 +160,8 @@ def ensure_tiny_vlm(cache_dir: Path | None = None) -> Path:
     )
     model = Idefics3ForConditionalGeneration(config)
     _draw_weights(model, 0, std=0.05)
-    model = model.to(torch.bfloat16)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(tmp)
-    (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VLM_VERSION}))
-    try:
-        tmp.rename(path)
-    except OSError:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    generation = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _publish(path, _VLM_VERSION, model.to(torch.bfloat16), processor, generation)
 
 
 def _draw_weights(model: Any, seed: int, std: float) -> None:

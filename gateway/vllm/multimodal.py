@@ -61,16 +61,16 @@ class ModalitySchema:
         return product * self.scale
 
 
-def _count_values(item: Any) -> dict[str, list[int]]:
-    """The integer tensors of up to 8 elements in a vLLM item: candidate counts."""
+def _count_values(tensors: dict[str, Any]) -> dict[str, list[int]]:
+    """The integer tensors of up to 8 elements among ``tensors``: candidate counts (of a
+    probed vLLM item's data, or of a client item's tensors)."""
     import torch
 
-    counts = {}
-    for key, elem in item.items():
-        data = elem.data
-        if isinstance(data, torch.Tensor) and not data.is_floating_point() and data.numel() <= 8:
-            counts[key] = [int(v) for v in data.flatten().tolist()]
-    return counts
+    return {
+        name: [int(v) for v in t.flatten().tolist()]
+        for name, t in tensors.items()
+        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel() <= 8
+    }
 
 
 def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
@@ -116,7 +116,7 @@ def probe_image_schema(processor: Any) -> ModalitySchema:
     names = set(items[0])
     if any(set(item) != names for item in items):
         raise ValueError("the processor's items have different tensor names per image size")
-    counts = [_count_values(item) for item in items]
+    counts = [_count_values({k: e.data for k, e in item.items()}) for item in items]
     keys: dict[str, _KeySpec] = {}
     for name in sorted(names):
         datas = [item[name].data for item in items]
@@ -218,7 +218,7 @@ class MultimodalInputs:
                     ErrorCode.UNSUPPORTED,
                 )
             tensors = self._tensors(where, schema, item)
-            values = _count_values_of(tensors)
+            values = _count_values(tensors)
             self._check_counts(where, schema, tensors, values)
             mask = item.is_embed
             positions = range(item.offset, item.offset + item.length)
@@ -322,11 +322,3 @@ class MultimodalInputs:
                     )
         if schema.count_key is not None and any(v <= 0 for v in values[schema.count_key]):
             raise RequestRejected(f"{where}: tensors[{schema.count_key!r}] must be positive")
-
-
-def _count_values_of(tensors: dict) -> dict[str, list[int]]:
-    return {
-        name: [int(v) for v in t.flatten().tolist()]
-        for name, t in tensors.items()
-        if not t.is_floating_point() and t.numel() <= 8
-    }
