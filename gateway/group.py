@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -122,8 +123,9 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
         except StopRequested:
             logger.info("stopped while the engines started")
             _stop_all(gateways, signal.SIGTERM)
+            deadline = time.monotonic() + 10
             for gateway in gateways:
-                gateway.join(10)
+                gateway.join(max(0.0, deadline - time.monotonic()))
             _stop_all(gateways, signal.SIGKILL)
             raise
         except Exception as exc:

@@ -20,6 +20,7 @@ from .parent_watch import parent_gone
 from .preflight import UsageError
 from .routing import RoutingConfig
 from .sessions import GatewayLimits
+from .stop_signals import stoppable_start
 
 __all__ = ["engines_dead_reason", "gateway_version", "limits_from_args", "run_gateway"]
 
@@ -113,14 +114,15 @@ async def run_gateway(
                     "--metrics-port", f"{args.metrics_host}:{args.metrics_port}: {exc.strerror}"
                 ) from None
         try:
-            engine = await VllmEngine.start(
-                engine_args,
-                dict(args.lora_module),
-                vllm_config=vllm_config,
-                engine_stats=args.engine_stats,
-                client_config=client_config,
-                routing=RoutingConfig.from_args(args),
-            )
+            async with stoppable_start():  # SIGTERM (and SIGINT) stop it: StopRequested
+                engine = await VllmEngine.start(
+                    engine_args,
+                    dict(args.lora_module),
+                    vllm_config=vllm_config,
+                    engine_stats=args.engine_stats,
+                    client_config=client_config,
+                    routing=RoutingConfig.from_args(args),
+                )
         except LoraModuleRefused as exc:  # the engine stopped again: a bad command line
             raise UsageError("--lora-module", str(exc)) from None
         except Exception as exc:
