@@ -155,6 +155,8 @@ def _merge(rounds: list[dict]) -> dict:
         "engine_cores",
         "engine_steps_per_s",
         "engine_wait_ms_per_s",
+        "engine_preemptions_per_s",
+        "machine_switches_per_step",
         "frontend_cpu_s",
         "wall_s",
         "frames_per_request",
@@ -195,8 +197,7 @@ async def _measure(
         cpu_s = target.frontend_cpu_s() - cpu0
     if engine0 is None:
         return summarize(run, cpu_s)
-    engine_cpu, steps, wait = target.engine_counters()
-    return summarize(run, cpu_s, engine_cpu - engine0[0], steps - engine0[1], wait - engine0[2])
+    return summarize(run, cpu_s, target.engine_counters().since(engine0))
 
 
 async def _interleaved(

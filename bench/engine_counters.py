@@ -1,18 +1,22 @@
 """What a benchmark reads from a target's engine processes: their CPU time, the time
-their threads sat runnable without a CPU (the kernel's schedstat), and the steps the
-zero-compute executor counts (bench/zero_engine.py)."""
+their threads sat runnable without a CPU (the kernel's schedstat), how often the kernel
+took the core from them, the steps the zero-compute executor counts
+(bench/zero_engine.py), and the machine's context switches over the same run."""
 
 from __future__ import annotations
 
 import contextlib
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
 __all__ = [
     "STEPS_DIR_ENV",
     "ENGINE_PROCESS_TAGS",
+    "EngineCounters",
+    "read_engine_counters",
     "engine_cpu_seconds",
     "engine_wait_seconds",
     "frontend_cpu_seconds",
@@ -54,19 +58,72 @@ def engine_cpu_seconds(pid: int) -> float:
     return _tree_cpu_seconds(pid, _is_engine)
 
 
+def _engine_main_threads(pid: int) -> list[int]:
+    """The engine processes under ``pid``: their main threads' ids are their pids."""
+    pids = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if _is_engine(_label(child)):
+                    pids.append(child.pid)
+    return pids
+
+
+def _wait_ns(tid: int) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{tid}/task/{tid}/schedstat").read_text().split()[1])
+    return 0
+
+
+def _preemptions(tid: int) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{tid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    return 0
+
+
 def engine_wait_seconds(pid: int) -> float:
     """Seconds the main threads of the engine processes under ``pid`` (the engine core's
     busy loop, which schedules each step) spent runnable but not running: waiting for a
     core (``/proc/PID/task/PID/schedstat``'s second field). On a box with fewer cores
     than busy threads, this is engine time other threads took."""
-    total_ns = 0
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess, OSError, ValueError, IndexError):
-                if _is_engine(_label(child)):
-                    schedstat = Path(f"/proc/{child.pid}/task/{child.pid}/schedstat")
-                    total_ns += int(schedstat.read_text().split()[1])
-    return total_ns / 1e9
+    return sum(_wait_ns(tid) for tid in _engine_main_threads(pid)) / 1e9
+
+
+def machine_context_switches() -> int:
+    """Context switches on the whole machine since boot (``/proc/stat``'s ``ctxt``): each
+    wake-up of any thread (a frontend's loop, a ZeroMQ I/O thread) is at least one."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("ctxt "):
+                return int(line.split()[1])
+    return 0
+
+
+class EngineCounters(NamedTuple):
+    """Cumulative counters of a target's engine side; ``since`` gives a run's share."""
+
+    cpu_s: float  # engine-core, worker and DP-coordinator processes
+    steps: int  # zero-compute executor only, else 0
+    wait_s: float  # the engine main threads' time runnable without a core
+    preemptions: int  # times the kernel took the core from an engine main thread
+    machine_switches: int  # context switches on the whole machine
+
+    def since(self, before: EngineCounters) -> EngineCounters:
+        return EngineCounters(*(now - then for now, then in zip(self, before, strict=True)))
+
+
+def read_engine_counters(pid: int, steps_dir: str | Path) -> EngineCounters:
+    """The counters of the engine processes under ``pid`` (steps from ``steps_dir``)."""
+    threads = _engine_main_threads(pid)
+    return EngineCounters(
+        cpu_s=engine_cpu_seconds(pid),
+        steps=read_steps(steps_dir),
+        wait_s=sum(_wait_ns(tid) for tid in threads) / 1e9,
+        preemptions=sum(_preemptions(tid) for tid in threads),
+        machine_switches=machine_context_switches(),
+    )
 
 
 def frontend_cpu_seconds(pid: int) -> float:

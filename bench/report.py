@@ -82,12 +82,16 @@ def write_report(results: dict, stem: Path) -> str:
             "",
             "Where the CPU goes (medians over the rounds): frontend µs of CPU per output token "
             "and cores busy, the engine processes' cores busy (engine core, workers, DP "
-            "coordinator), engine steps per second (zero-compute executor only), and the ms per "
-            "second the engine core's main thread (its busy loop) sat runnable without a core.",
+            "coordinator), engine steps per second (zero-compute executor only), the ms per "
+            "second the engine core's main thread (its busy loop) sat runnable without a core, "
+            "the times per second the kernel took its core from it, and the context switches of "
+            "the whole machine per engine step (each wake-up of any thread: a frontend's loop, "
+            "a ZeroMQ I/O thread, the load generator).",
             "",
             "| target | conc | output tok/s | frontend µs/token | frontend cores | "
-            "engine cores | engine steps/s | engine wait ms/s |",
-            "|---|---|---|---|---|---|---|---|",
+            "engine cores | engine steps/s | engine wait ms/s | engine preempted /s | "
+            "machine switches / step |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted(rows, key=lambda r: (r["concurrency"], r["target"])):
             lines.append(
@@ -95,7 +99,9 @@ def write_report(results: dict, stem: Path) -> str:
                 f"{_f(r.get('frontend_cpu_us_per_token'), '.1f')} | "
                 f"{_f(r.get('frontend_cores'), '.2f')} | {_f(r.get('engine_cores'), '.2f')} | "
                 f"{_f(r.get('engine_steps_per_s'), '.0f')} | "
-                f"{_f(r.get('engine_wait_ms_per_s'), '.0f')} |"
+                f"{_f(r.get('engine_wait_ms_per_s'), '.0f')} | "
+                f"{_f(r.get('engine_preemptions_per_s'), '.0f')} | "
+                f"{_f(r.get('machine_switches_per_step'), '.1f')} |"
             )
     lines += _scale_lines(rows, direct, baseline)
     poisson = [r for r in results["rows"] if r["mode"] == "poisson"]

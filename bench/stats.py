@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from .engine_counters import EngineCounters
 from .workload import RunResult
 
 __all__ = ["percentile", "summarize"]
@@ -25,17 +26,23 @@ def _ms(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def summarize(
-    run: RunResult,
-    cpu_s: float | None,
-    engine_cpu_s: float | None = None,
-    engine_steps: int | None = None,
-    engine_wait_s: float | None = None,
-) -> dict:
+def _engine_figures(engine: EngineCounters | None, wall_s: float) -> dict:
+    if engine is None or not wall_s:
+        return {}
+    steps = engine.steps or None  # counted by the zero-compute executor only
+    return {
+        "engine_cpu_s": engine.cpu_s,
+        "engine_cores": engine.cpu_s / wall_s,
+        "engine_steps_per_s": steps / wall_s if steps else None,
+        "engine_wait_ms_per_s": engine.wait_s / wall_s * 1e3,
+        "engine_preemptions_per_s": engine.preemptions / wall_s,
+        "machine_switches_per_step": engine.machine_switches / steps if steps else None,
+    }
+
+
+def summarize(run: RunResult, cpu_s: float | None, engine: EngineCounters | None = None) -> dict:
     """One row of results; ``cpu_s`` is the frontend process's CPU time during the run,
-    ``engine_cpu_s`` its engine processes' (engine core, workers, DP coordinator), and
-    ``engine_steps`` the engine steps (counted by the zero-compute executor only), and
-    ``engine_wait_s`` the time the engine processes' threads sat runnable without a core."""
+    ``engine`` the engine side's counters over it (bench/engine_counters.py)."""
     ok = [r for r in run.records if r.error is None and r.end is not None]
     tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
@@ -60,13 +67,6 @@ def summarize(
         if (cpu_s is not None and tokens)
         else None,
         "frontend_cores": cpu_s / run.wall_s if (cpu_s is not None and run.wall_s) else None,
-        "engine_cpu_s": engine_cpu_s,
-        "engine_cores": engine_cpu_s / run.wall_s
-        if (engine_cpu_s is not None and run.wall_s)
-        else None,
-        "engine_steps_per_s": engine_steps / run.wall_s if (engine_steps and run.wall_s) else None,
-        "engine_wait_ms_per_s": engine_wait_s / run.wall_s * 1e3
-        if (engine_wait_s is not None and run.wall_s)
-        else None,
+        **_engine_figures(engine, run.wall_s),
         "ttft_samples_ms": [x * 1e3 for x in ttft],
     }

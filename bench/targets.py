@@ -29,10 +29,9 @@ from client import AsyncClient, SamplingParams
 
 from .engine_counters import (
     STEPS_DIR_ENV,
-    engine_cpu_seconds,
-    engine_wait_seconds,
+    EngineCounters,
     frontend_cpu_seconds,
-    read_steps,
+    read_engine_counters,
 )
 from .workload import RequestRecord, RunResult, Workload
 
@@ -162,11 +161,9 @@ class _Process:
     def pid(self) -> int:
         return self.proc.pid
 
-    def engine_counters(self) -> tuple[float, int, float]:
-        """(engine CPU seconds, engine steps, engine seconds waiting for a core) so far:
-        see bench/engine_counters.py."""
-        pid = self.pid
-        return engine_cpu_seconds(pid), read_steps(self.steps_dir), engine_wait_seconds(pid)
+    def engine_counters(self) -> EngineCounters:
+        """The engine side's counters so far: see bench/engine_counters.py."""
+        return read_engine_counters(self.pid, self.steps_dir)
 
     def tail(self) -> str:
         return self.log_path.read_text()[-3000:]
@@ -268,7 +265,7 @@ class GatewayTarget:
     def frontend_cpu_s(self) -> float:
         return _cpu_seconds(self.server.process.pid)
 
-    def engine_counters(self) -> tuple[float, int, float]:
+    def engine_counters(self) -> EngineCounters:
         return self.server.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -344,7 +341,7 @@ class HttpTarget:
     def frontend_cpu_s(self) -> float:
         return frontend_cpu_seconds(self.process.pid)
 
-    def engine_counters(self) -> tuple[float, int, float]:
+    def engine_counters(self) -> EngineCounters:
         return self.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -432,7 +429,7 @@ class GrpcTarget:
     def frontend_cpu_s(self) -> float:
         return _cpu_seconds(self.process.pid)
 
-    def engine_counters(self) -> tuple[float, int, float]:
+    def engine_counters(self) -> EngineCounters:
         return self.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -576,10 +573,9 @@ class DirectTarget:
         )
         await self._result()
 
-    def engine_counters(self) -> tuple[float, int, float]:
+    def engine_counters(self) -> EngineCounters:
         assert self._proc is not None
-        pid = self._proc.pid
-        return engine_cpu_seconds(pid), read_steps(self._log_path.parent), engine_wait_seconds(pid)
+        return read_engine_counters(self._proc.pid, self._log_path.parent)
 
     async def _result(self) -> dict:
         assert self._proc is not None and self._proc.stdout is not None
@@ -688,7 +684,7 @@ class GatewayPoolTarget:
     def frontend_cpu_s(self) -> float:
         return frontend_cpu_seconds(self.server.process.pid)
 
-    def engine_counters(self) -> tuple[float, int, float]:
+    def engine_counters(self) -> EngineCounters:
         return self.server.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
