@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         " an H100); set 1024 to give the CPU engine a GPU's batch",
     )
     p.add_argument(
+        "--pin-engine-cores",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pin every target's engine processes to the last N cores and everything else to"
+        " the rest (bench/pinning.py): no frontend thread then waits on an engine's core",
+    )
+    p.add_argument(
         "--baseline",
         default="direct",
         help="the target the report's ratios are against (default direct)",
@@ -266,6 +274,7 @@ async def start_targets(targets: list, one_at_a_time: bool) -> None:
 async def run(args: argparse.Namespace) -> dict:
     from gateway.tiny_model import ensure_tiny_model
 
+    from .pinning import pin_engines_apart, split_cpus
     from .targets import (
         MAX_MODEL_LEN,
         DirectTarget,
@@ -329,6 +338,7 @@ async def run(args: argparse.Namespace) -> dict:
             targets.append(GrpcTarget(model, stream=name == "vllm-grpc", setup=setup))
         else:
             targets.append(DirectTarget(model, setup=setup))
+    pinned = split_cpus(args.pin_engine_cores) if args.pin_engine_cores else None
     try:
         print(
             f"starting {len(targets)} targets (one engine each; the gateway's serves both "
@@ -336,6 +346,10 @@ async def run(args: argparse.Namespace) -> dict:
             flush=True,
         )
         await start_targets(targets, one_at_a_time=args.cuda_graphs)
+        if pinned is not None:
+            threads = pin_engines_apart(*pinned)
+            print(f"pinned engines to cpus {sorted(pinned[0])}, the rest to"
+                  f" {sorted(pinned[1])}: {threads} threads", flush=True)  # fmt: skip
         for target in targets:  # warm-up, not recorded
             await _measure(target, workload, "closed", 8, 8, salt=999)
         rows = await _interleaved(targets, workload, args, concurrency, rates)
@@ -376,6 +390,11 @@ async def run(args: argparse.Namespace) -> dict:
             "targets": names,
             "rounds": args.rounds,
             "interleaved": True,
+            **(
+                {"pinned": {"engine_cpus": sorted(pinned[0]), "other_cpus": sorted(pinned[1])}}
+                if pinned
+                else {}
+            ),
         },
         "rows": rows,
         "ceiling": ceiling,

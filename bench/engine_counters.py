@@ -20,6 +20,7 @@ __all__ = [
     "engine_cpu_seconds",
     "engine_wait_seconds",
     "frontend_cpu_seconds",
+    "is_engine_process",
     "read_steps",
 ]
 
@@ -51,6 +52,11 @@ def _tree_cpu_seconds(pid: int, wanted) -> float:  # noqa: ANN001 - (label) -> b
 
 def _is_engine(label: str) -> bool:
     return any(tag in label for tag in ENGINE_PROCESS_TAGS)
+
+
+def is_engine_process(process: psutil.Process) -> bool:
+    """An engine-core, worker or DP-coordinator process (by name or command line)."""
+    return _is_engine(_label(process))
 
 
 def engine_cpu_seconds(pid: int) -> float:
