@@ -16,11 +16,11 @@ __all__ = [
     "STEPS_DIR_ENV",
     "ENGINE_PROCESS_TAGS",
     "EngineCounters",
-    "read_engine_counters",
-    "engine_cpu_seconds",
-    "engine_wait_seconds",
+    "context_switches",
+    "engine_pids",
     "frontend_cpu_seconds",
     "is_engine_process",
+    "read_engine_counters",
     "read_steps",
 ]
 
@@ -59,42 +59,41 @@ def is_engine_process(process: psutil.Process) -> bool:
     return _is_engine(_label(process))
 
 
-def engine_cpu_seconds(pid: int) -> float:
-    """CPU seconds of the engine-core, worker and DP-coordinator processes under ``pid``."""
-    return _tree_cpu_seconds(pid, _is_engine)
-
-
-def _engine_main_threads(pid: int) -> list[int]:
-    """The engine processes under ``pid``: their main threads' ids are their pids."""
+def engine_pids(pid: int) -> list[int]:
+    """The engine-core, worker and DP-coordinator processes under ``pid`` (a process's
+    main thread has its pid for thread id)."""
     pids = []
     with contextlib.suppress(psutil.NoSuchProcess):
         for child in psutil.Process(pid).children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                if _is_engine(_label(child)):
+                if is_engine_process(child):
                     pids.append(child.pid)
     return pids
 
 
 def _wait_ns(tid: int) -> int:
+    """Nanoseconds thread ``tid`` sat runnable without a core (``schedstat``'s second
+    field). On a box with fewer cores than busy threads, this is time other threads took."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         return int(Path(f"/proc/{tid}/task/{tid}/schedstat").read_text().split()[1])
     return 0
 
 
+def context_switches(task: Path) -> tuple[str, int, int]:
+    """(name, voluntary, involuntary context switches) of a thread: ``task`` is its
+    ``/proc/PID/task/TID`` folder. Raises OSError once the thread is gone."""
+    fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines())
+    return (
+        fields["Name"].strip(),
+        int(fields["voluntary_ctxt_switches"]),
+        int(fields["nonvoluntary_ctxt_switches"]),
+    )
+
+
 def _preemptions(tid: int) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{tid}/task/{tid}/status").read_text().splitlines():
-            if line.startswith("nonvoluntary_ctxt_switches:"):
-                return int(line.split()[1])
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return context_switches(Path(f"/proc/{tid}/task/{tid}"))[2]
     return 0
-
-
-def engine_wait_seconds(pid: int) -> float:
-    """Seconds the main threads of the engine processes under ``pid`` (the engine core's
-    busy loop, which schedules each step) spent runnable but not running: waiting for a
-    core (``/proc/PID/task/PID/schedstat``'s second field). On a box with fewer cores
-    than busy threads, this is engine time other threads took."""
-    return sum(_wait_ns(tid) for tid in _engine_main_threads(pid)) / 1e9
 
 
 def machine_context_switches() -> int:
@@ -121,13 +120,19 @@ class EngineCounters(NamedTuple):
 
 
 def read_engine_counters(pid: int, steps_dir: str | Path) -> EngineCounters:
-    """The counters of the engine processes under ``pid`` (steps from ``steps_dir``)."""
-    threads = _engine_main_threads(pid)
+    """The counters of the engine processes under ``pid`` (steps from ``steps_dir``); wait
+    and preemptions are their main threads' (the engine core's busy loop, which schedules
+    each step)."""
+    pids = engine_pids(pid)
+    cpu_s = 0.0
+    for engine in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cpu_s += _cpu(psutil.Process(engine))
     return EngineCounters(
-        cpu_s=engine_cpu_seconds(pid),
+        cpu_s=cpu_s,
         steps=read_steps(steps_dir),
-        wait_s=sum(_wait_ns(tid) for tid in threads) / 1e9,
-        preemptions=sum(_preemptions(tid) for tid in threads),
+        wait_s=sum(_wait_ns(tid) for tid in pids) / 1e9,
+        preemptions=sum(_preemptions(tid) for tid in pids),
         machine_switches=machine_context_switches(),
     )
 

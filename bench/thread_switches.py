@@ -22,11 +22,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import psutil
-
 from client import AsyncClient
 
-from .engine_counters import ENGINE_PROCESS_TAGS, read_steps
+from .engine_counters import context_switches, engine_pids, read_steps
 from .targets import ROOT, EngineSetup, GatewayServer
 
 __all__ = ["thread_switches", "main"]
@@ -38,23 +36,10 @@ def thread_switches(pid: int) -> Counts:
     """Every thread of ``pid``: its name and context switches so far."""
     counts: Counts = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines())
-            counts[(fields["Name"].strip(), int(task.name))] = (
-                int(fields["voluntary_ctxt_switches"]),
-                int(fields["nonvoluntary_ctxt_switches"]),
-            )
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            name, voluntary, involuntary = context_switches(task)
+            counts[(name, int(task.name))] = (voluntary, involuntary)
     return counts
-
-
-def _engine_pids(server_pid: int) -> list[int]:
-    pids = []
-    for child in psutil.Process(server_pid).children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            label = " ".join([child.name(), *child.cmdline()])
-            if any(tag in label for tag in ENGINE_PROCESS_TAGS):
-                pids.append(child.pid)
-    return pids
 
 
 def _per_step(before: Counts, after: Counts, steps: int) -> dict[str, list[float]]:
@@ -93,7 +78,7 @@ def run(args: argparse.Namespace) -> str:
         )  # fmt: skip
         time.sleep(args.warmup_s)
         processes = {"gateway": server.process.pid, "client": client.pid}
-        processes |= {f"engine {pid}": pid for pid in _engine_pids(server.process.pid)}
+        processes |= {f"engine {pid}": pid for pid in engine_pids(server.process.pid)}
         before = {name: thread_switches(pid) for name, pid in processes.items()}
         steps0, start = read_steps(server.process.steps_dir), time.monotonic()
         time.sleep(args.window_s)
