@@ -341,6 +341,10 @@ async def test_each_validation_failure_gives_its_error_while_others_are_served(
     assert real_gateway.table.live_requests == 0
 
 
+# Exactly four tokens whatever the model samples: unseeded sampling may draw an EOS id.
+FOUR_TOKENS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
 async def test_vllm_output_task_receives_through_the_loops_watch_of_its_socket(vllm_engine, client):
     """The adapter made vLLM's engine-output socket a LoopWatchedSocket before vLLM's
     output task first received (this pins that structure of the supported vLLM range)."""
@@ -348,7 +352,7 @@ async def test_vllm_output_task_receives_through_the_loops_watch_of_its_socket(v
 
     sock = vllm_engine._client.resources.output_socket
     assert type(sock) is LoopWatchedSocket
-    outs = [o async for o in client.generate([5, 6, 7], SamplingParams(max_tokens=4))]
+    outs = [o async for o in client.generate([5, 6, 7], FOUR_TOKENS)]
     assert sum(len(o.new_token_ids) for o in outs) == 4
     # The output task waited on the descriptor from this loop: nothing went through
     # pyzmq's own receive (which would have registered its reader and loop instead).
@@ -370,7 +374,7 @@ async def test_each_step_is_handled_inside_vllms_output_task(vllm_engine, real_g
 
     table.on_step = on_step
     try:
-        outs = [o async for o in client.generate([5, 6, 7], SamplingParams(max_tokens=4))]
+        outs = [o async for o in client.generate([5, 6, 7], FOUR_TOKENS)]
     finally:
         del table.on_step
     assert sum(len(o.new_token_ids) for o in outs) == 4
