@@ -232,8 +232,9 @@ def kill_all(pids: list[int]) -> None:
 # ---- streams on a real engine, watched as they run (RecordingClient's frames)
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def greedy(max_tokens: int, **extra: object) -> SamplingParams:
+    """Exactly ``max_tokens`` greedy tokens (no EOS stops them), plus any other fields."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
 
 
 async def collect(client, prompt, sampling, request_id=None):  # noqa: ANN001, ANN201

@@ -8,15 +8,12 @@ import json
 
 import pytest
 
-from client import AsyncClient, FinishReason, RequestOptions, SamplingParams
+from client import AsyncClient, FinishReason, RequestOptions
+from tests.helpers import greedy
 
 pytestmark = pytest.mark.engine
 # Longer than one KV block (128 tokens on the CPU engine): the connector stores whole blocks.
 PROMPT = [(i * 7) % 500 + 5 for i in range(300)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def recorded(store, kind: str, tag: str) -> dict:

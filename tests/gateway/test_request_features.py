@@ -9,7 +9,7 @@ import pytest
 
 from client import FinishReason, SamplingParams
 from client.results import Accumulator
-from tests.helpers import RecordingClient
+from tests.helpers import RecordingClient, greedy
 
 pytestmark = pytest.mark.engine
 PROMPT = [11, 12, 13, 14]
@@ -39,10 +39,6 @@ def first_seen_at(tokens, start, length):
         if all(tokens[j : j + length] != piece for j in range(i)):
             return i, piece
     pytest.fail(f"every {length}-token slice after {start} repeats an earlier one: {tokens}")
-
-
-def greedy(max_tokens: int, **extra) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
 
 
 @pytest.fixture
