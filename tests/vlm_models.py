@@ -1,5 +1,6 @@
-"""A second vision-language architecture for the multimodal tests: a tiny random PaliGemma
-(SigLIP 28 px, 4 image tokens; Gemma), with its processor and a local WordLevel tokenizer."""
+"""More vision-language architectures for the multimodal tests, tiny and random, each with
+its processor and a local WordLevel tokenizer: PaliGemma (SigLIP 28 px, 4 image tokens;
+Gemma) and BLIP-2 (ViT 28 px, a Q-Former's 4 query tokens; OPT)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 
 PALIGEMMA_IMAGE_TOKEN = 599
+BLIP2_IMAGE_TOKEN = 599
 
 
 def make_tiny_paligemma(folder: Path) -> Path:
@@ -69,4 +71,59 @@ def make_tiny_paligemma(folder: Path) -> Path:
         renamed[key] = value
     save_file(renamed, weights, metadata={"format": "pt"})
     (folder / "engine-gateway.json").write_text(json.dumps({"model": "tiny-paligemma"}))
+    return folder
+
+
+def make_tiny_blip2(folder: Path) -> Path:
+    """Write the model to ``folder`` (once) and return it."""
+    if (folder / "engine-gateway.json").exists():
+        return folder
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (
+        Blip2Config,
+        Blip2ForConditionalGeneration,
+        Blip2Processor,
+        Blip2QFormerConfig,
+        Blip2VisionConfig,
+        BlipImageProcessorPil,
+        OPTConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    from gateway.tiny_model import _draw_weights
+
+    special = {"<pad>": 1, "</s>": 2, "<unk>": 3, "<image>": BLIP2_IMAGE_TOKEN}
+    vocab = {f"t{i}": i for i in range(600) if i not in special.values()} | special
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="</s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>",
+    )  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.image_token = "<image>"
+    images = BlipImageProcessorPil(size={"height": 28, "width": 28})
+    processor = Blip2Processor(image_processor=images, tokenizer=tokenizer, num_query_tokens=4)
+    config = Blip2Config(
+        vision_config=Blip2VisionConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14,
+        ).to_dict(),
+        qformer_config=Blip2QFormerConfig(
+            hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+            encoder_hidden_size=64, vocab_size=600,
+        ).to_dict(),
+        text_config=OPTConfig(
+            vocab_size=600, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+            num_attention_heads=2, word_embed_proj_dim=128, max_position_embeddings=1024,
+            pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        ).to_dict(),
+        num_query_tokens=4, image_token_index=BLIP2_IMAGE_TOKEN,
+    )  # fmt: skip
+    model = Blip2ForConditionalGeneration(config)
+    _draw_weights(model, 0, std=0.2)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    (folder / "engine-gateway.json").write_text(json.dumps({"model": "tiny-blip2"}))
     return folder

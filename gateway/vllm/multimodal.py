@@ -11,6 +11,7 @@ on a request. Imports vLLM and torch; only this package does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -24,7 +25,7 @@ from ..errors import RequestRejected
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModalitySchema", "MultimodalInputs", "probe_image_schema"]
+__all__ = ["ModalitySchema", "MultimodalInputs", "probe_image_schema", "schema_from_probes"]
 
 _FLOATING = {"float32", "float16", "bfloat16", "float64"}
 
@@ -36,7 +37,10 @@ class _KeySpec:
     field: Any  # vLLM's field (batched / flat / shared) of the probed items
     fixed: dict[int, int] = field(default_factory=dict)  # dim -> size in every probe
     follows: dict[int, str] = field(default_factory=dict)  # dim -> count key it equals
-    value: int | None = None  # a 1-element integer tensor the same in every probe
+    # A count tensor's elements: the same value in every probe (an image's temporal 1 in
+    # Qwen-VL's image_grid_thw), or always a multiple (its spatial grid: of the merge size).
+    pinned: dict[int, int] = field(default_factory=dict)  # element -> value
+    multiple_of: dict[int, int] = field(default_factory=dict)  # element -> divisor
 
 
 @dataclass(slots=True)
@@ -73,8 +77,16 @@ def _count_values(tensors: dict[str, Any]) -> dict[str, list[int]]:
     }
 
 
+def _probe_sizes(width: int, height: int) -> list[tuple[int, int]]:
+    """Image sizes for the probe: the processor's largest dummy image, and smaller and
+    differently shaped ones (ratios 1/3 to 1/7, so that no property of a count the sizes
+    happen to share, such as a grid that is always a multiple of 4, is taken for a rule)."""
+    ratios = [(1, 1), (1, 3), (3, 1), (4, 4), (5, 7), (7, 5)]
+    return [(max(width // a, 1), max(height // b, 1)) for a, b in ratios]
+
+
 def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
-    """(vLLM item, placeholder, prompt ids) for images of four sizes, from the model's
+    """(vLLM item, placeholder, prompt ids) for images of several sizes, from the model's
     processor as vLLM runs it on a request."""
     from PIL import Image
     from vllm.multimodal.processing.inputs import ProcessorInputs
@@ -87,11 +99,8 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
     dummy = processor.get_dummy_inputs(seq_len, {"image": 1}, options)
     data = processor.dummy_inputs.get_dummy_mm_data(seq_len, {"image": 1}, options)
     image = data["image"]
-    width, height = (image[0] if isinstance(image, list) else image).size
-    sizes = [(width, height), (width, max(height // 3, 1)), (max(width // 3, 1), height)]
-    sizes.append((max(width // 4, 1), max(height // 4, 1)))
     probes = []
-    for w, h in sizes:
+    for w, h in _probe_sizes(*(image[0] if isinstance(image, list) else image).size):
         picture = Image.new("RGB", (w, h), color=(37 * w % 256, 91, 200))
         inputs = ProcessorInputs(
             prompt=list(dummy.prompt),
@@ -109,9 +118,14 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
 def probe_image_schema(processor: Any) -> ModalitySchema:
     """Learn the image schema from vLLM's processor; ValueError if the items it makes do not
     follow one rule the gateway can check (then images are refused as UNSUPPORTED)."""
+    return schema_from_probes("image", _probe_images(processor))
+
+
+def schema_from_probes(modality: str, probes: Sequence[tuple[Any, Any, list[int]]]):
+    """The schema that every probe follows: ``probes`` are (vLLM ``MultiModalKwargsItem``,
+    ``PlaceholderRange``, prompt ids) of one item each, from items of different sizes."""
     import torch
 
-    probes = _probe_images(processor)
     items = [item for item, _, _ in probes]
     names = set(items[0])
     if any(set(item) != names for item in items):
@@ -138,8 +152,6 @@ def probe_image_schema(processor: Any) -> ModalitySchema:
                     break
             else:
                 raise ValueError(f"dim {dim} of {name!r} follows no count the item carries")
-        if name in counts[0] and len({tuple(c[name]) for c in counts}) == 1:
-            spec.value = counts[0][name][0] if len(counts[0][name]) == 1 else None
         keys[name] = spec
     embeds = [placeholder.get_num_embeds() for _, placeholder, _ in probes]
     placeholder_ids = set()
@@ -148,8 +160,39 @@ def probe_image_schema(processor: Any) -> ModalitySchema:
         for i in range(placeholder.length):
             if mask is None or bool(mask[i]):
                 placeholder_ids.add(prompt[placeholder.offset + i])
-    schema = _embed_rule(embeds, counts)
-    return ModalitySchema("image", keys, frozenset(placeholder_ids), *schema)
+    rule = _embed_rule(embeds, counts)
+    schema = ModalitySchema(modality, keys, frozenset(placeholder_ids), *rule)
+    for name in set(counts[0]).intersection(*counts):
+        _learn_count_elements(schema, name, [c[name] for c in counts])
+    return schema
+
+
+def _learn_count_elements(schema: ModalitySchema, name: str, values: list[list[int]]):
+    """Pin the elements of count ``name`` that every probe gives the same value; where the
+    embeddings are this count's product divided by ``scale``, each other element must be a
+    multiple of what every probe's is (within ``scale``): Qwen-VL's vision tower folds its
+    grid's height and width by the merge size, and an odd one fails inside the engine."""
+    if len({len(v) for v in values}) != 1:
+        return
+    spec = schema.keys[name]
+    divides = schema.divide and schema.count_key == name
+    for index, column in enumerate(zip(*values, strict=True)):
+        if len(set(column)) == 1:
+            spec.pinned[index] = column[0]
+        elif divides and (divisor := math.gcd(schema.scale, *column)) > 1:
+            spec.multiple_of[index] = divisor
+
+
+def _field(schema: ModalitySchema, name: str, tensor: Any) -> Any:
+    """The probed item's field for ``name``; a flat field (pixel rows flat across a
+    request's items) gets this item's own extent, as vLLM's processor gives an image alone."""
+    from vllm.multimodal.inputs import MultiModalFlatField
+
+    field = schema.keys[name].field
+    if isinstance(field, MultiModalFlatField):
+        extent = (slice(None),) * field.dim + (slice(0, tensor.shape[field.dim]),)
+        return dataclasses.replace(field, slices=[extent])
+    return field
 
 
 def _embed_rule(embeds: list[int], counts: list[dict[str, list[int]]]) -> tuple:
@@ -238,7 +281,7 @@ class MultimodalInputs:
                 )
             vllm_item = MultiModalKwargsItem(
                 {
-                    name: MultiModalFieldElem(data=tensor, field=schema.keys[name].field)
+                    name: MultiModalFieldElem(data=tensor, field=_field(schema, name, tensor))
                     for name, tensor in tensors.items()
                 }
             )
@@ -289,10 +332,13 @@ class MultimodalInputs:
                         f"{where}: tensors[{name!r}] has shape {wire.shape}; dim {dim} must"
                         f" be {size}"
                     )
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a read-only view of the received frame
-                tensor = torch.frombuffer(wire.data, dtype=getattr(torch, wire.dtype))
-            tensor = tensor.reshape(wire.shape) if wire.shape else tensor.reshape(())
+            if len(wire.data) == 0:  # frombuffer refuses an empty buffer
+                tensor = torch.empty(wire.shape, dtype=getattr(torch, wire.dtype))
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a read-only view of the received frame
+                    tensor = torch.frombuffer(wire.data, dtype=getattr(torch, wire.dtype))
+                tensor = tensor.reshape(wire.shape) if wire.shape else tensor.reshape(())
             if floating:
                 tensor = tensor.to(self.model_dtype)  # as vLLM casts the processor's outputs
             elif wire.dtype != spec.dtype:
@@ -309,10 +355,19 @@ class MultimodalInputs:
     @staticmethod
     def _check_counts(where: str, schema: ModalitySchema, tensors: dict, values: dict) -> None:
         for name, spec in schema.keys.items():
-            if spec.value is not None and values.get(name) != [spec.value]:
-                raise RequestRejected(
-                    f"{where}: tensors[{name!r}] must be {spec.value} for this model"
-                )
+            got = values.get(name, [])
+            for index, value in spec.pinned.items():
+                if index >= len(got) or got[index] != value:
+                    element = f"[{index}]" if spec.ndim else ""
+                    raise RequestRejected(
+                        f"{where}: tensors[{name!r}]{element} must be {value} for this model"
+                    )
+            for index, divisor in spec.multiple_of.items():
+                if index < len(got) and got[index] % divisor:
+                    raise RequestRejected(
+                        f"{where}: tensors[{name!r}][{index}] is {got[index]}; the model's"
+                        f" processor makes only multiples of {divisor}"
+                    )
             for dim, count_key in spec.follows.items():
                 count = math.prod(values.get(count_key, [-1]))
                 if tensors[name].shape[dim] != count:

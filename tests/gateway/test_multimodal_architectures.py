@@ -1,6 +1,7 @@
-"""A second architecture through the same path: a tiny PaliGemma (SigLIP, a fixed 4 image
-tokens per image, inserted before the prompt by vLLM's processor). Its vision tower loads on
-this CPU wheel only with the plugin's fix (``client.vllm_wheel``)."""
+"""More architectures through the same path as the Idefics3 of test_multimodal.py, each with
+a fixed 4 image tokens inserted before the prompt by vLLM's processor: PaliGemma (SigLIP;
+Gemma; its vision tower loads on this CPU wheel only with the plugin's fix,
+``client.vllm_wheel``) and BLIP-2 (a ViT and a Q-Former; OPT)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,29 @@ from client import AsyncClient
 from tests.conftest import cpu_engine_args, engine_gateway
 from tests.helpers import greedy, noise_image
 from tests.offline_reference import run_offline_reference
-from tests.vlm_models import PALIGEMMA_IMAGE_TOKEN, make_tiny_paligemma
+from tests.vlm_models import (
+    BLIP2_IMAGE_TOKEN,
+    PALIGEMMA_IMAGE_TOKEN,
+    make_tiny_blip2,
+    make_tiny_paligemma,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
 ENGINE = {"block_size": 32}
 CASES = [([2, 50, 60], (40, 30, 1)), ([2, 50, 60], (40, 30, 2)), ([2, 51], (16, 64, 3))]
+ARCHITECTURES = {
+    "paligemma": (make_tiny_paligemma, PALIGEMMA_IMAGE_TOKEN),
+    "blip2": (make_tiny_blip2, BLIP2_IMAGE_TOKEN),
+}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return str(make_tiny_paligemma(tmp_path_factory.mktemp("vlm") / "tiny-paligemma"))
-
-
-async def test_paligemma_images_match_offline_vllm(model):
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+async def test_images_match_offline_vllm(tmp_path_factory, architecture):
     from client.multimodal_processor import MultimodalProcessor
 
+    make, image_token = ARCHITECTURES[architecture]
+    model = str(make(tmp_path_factory.mktemp("vlm") / f"tiny-{architecture}"))
     cases = [
         {"prompt": p, "images": [list(i)], "sampling": {"temperature": 0.0, "max_tokens": 8,
                                                         "ignore_eos": True}}
@@ -41,11 +49,12 @@ async def test_paligemma_images_match_offline_vllm(model):
         schema = gateway.engine._multimodal.schemas["image"]
         assert (schema.count_key, schema.scale) == (None, 4)  # a fixed 4 embeddings
         assert schema.keys["pixel_values"].fixed == {0: 3, 1: 28, 2: 28}
-        assert schema.placeholder_ids == {PALIGEMMA_IMAGE_TOKEN}
+        assert schema.placeholder_ids == {image_token}
         async with AsyncClient(gateway.addresses[0]) as client:
+            assert client.hello_ack.model.modalities == ["image"]
             for (prompt, image), expected in zip(CASES, offline, strict=True):
                 ids, items = processor(prompt, [noise_image(*image)])
-                assert ids[:4] == [PALIGEMMA_IMAGE_TOKEN] * 4
+                assert ids[:4] == [image_token] * 4
                 tokens = []
                 async for out in client.generate(ids, greedy(8), multimodal=items):
                     tokens += out.new_token_ids

@@ -1,0 +1,153 @@
+"""The schema learnt from a processor's items, on Qwen2-VL's images: the architecture the
+multimodal wire was made for, whose vLLM module cannot load on this CPU wheel (its HF
+processor needs torchvision). Its items are made here as vLLM's Qwen2-VL processor makes
+them: transformers' own Qwen2-VL image processor (the PIL one), split per image with the
+fields of vLLM's ``_create_qwen2vl_field_factory`` (pixel rows flat by the grid's product,
+the grid batched), and one ``<|image_pad|>`` per 2x2 merged patch. No engine runs: the
+models that do run here go through the same code end to end in test_multimodal*.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from client import MultimodalItem
+from gateway.errors import RequestRejected
+from tests.helpers import noise_image
+
+torch = pytest.importorskip("torch")
+
+VISION_START, IMAGE_PAD, VISION_END = 151652, 151655, 151653
+MERGE = 2
+
+
+@pytest.fixture(scope="module")
+def image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil(merge_size=MERGE)
+
+
+def qwen2_vl_probe(image_processor, image, text=(9, 10)):
+    """(vLLM item, placeholder, prompt ids) for one image, as vLLM's Qwen2-VL processor."""
+    from vllm.multimodal.inputs import (
+        MultiModalFieldConfig,
+        MultiModalKwargsItems,
+        PlaceholderRange,
+    )
+
+    out = image_processor(images=[image], return_tensors="pt")
+    grid = out["image_grid_thw"]
+    fields = {
+        "pixel_values": MultiModalFieldConfig.flat_from_sizes("image", grid.prod(-1)),
+        "image_grid_thw": MultiModalFieldConfig.batched("image", keep_on_cpu=True),
+    }
+    item = MultiModalKwargsItems.from_hf_inputs(out, fields)["image"][0]
+    pads = int(grid.prod()) // MERGE**2
+    prompt = [VISION_START, *[IMAGE_PAD] * pads, VISION_END, *text]
+    return item, PlaceholderRange(offset=1, length=pads), prompt
+
+
+@pytest.fixture(scope="module")
+def schema(image_processor):
+    from gateway.vllm.multimodal import _probe_sizes, schema_from_probes
+
+    probes = [
+        qwen2_vl_probe(image_processor, noise_image(w, h, 7)) for w, h in _probe_sizes(1344, 1008)
+    ]
+    return schema_from_probes("image", probes)
+
+
+def wire_item(item, placeholder, hash_="h") -> MultimodalItem:
+    from client.multimodal_processor import to_wire_tensor
+
+    tensors = {name: to_wire_tensor(elem.data) for name, elem in item.items()}
+    return MultimodalItem("image", hash_, placeholder.offset, placeholder.length, None, tensors)
+
+
+def inputs_for(schema):
+    from gateway.vllm.multimodal import MultimodalInputs
+
+    return MultimodalInputs({"image": schema}, torch.bfloat16)
+
+
+def test_the_qwen2_vl_rules_are_learnt(schema):
+    pixels, grid = schema.keys["pixel_values"], schema.keys["image_grid_thw"]
+    assert (pixels.fixed, pixels.follows) == ({1: 3 * 2 * 14 * 14}, {0: "image_grid_thw"})
+    assert grid.fixed == {0: 3}
+    # An image is one temporal patch; its grid's height and width fold by the merge size.
+    assert (grid.pinned, grid.multiple_of) == ({0: 1}, {1: MERGE, 2: MERGE})
+    assert (schema.count_key, schema.scale, schema.divide) == ("image_grid_thw", 4, True)
+    assert schema.placeholder_ids == {IMAGE_PAD}
+
+
+@pytest.mark.parametrize("size", [(300, 170), (57, 900), (28, 28)])
+def test_an_image_of_a_size_never_probed_is_accepted(schema, image_processor, size):
+    item, placeholder, prompt = qwen2_vl_probe(image_processor, noise_image(*size, 3))
+    built = inputs_for(schema).build(prompt, [wire_item(item, placeholder)], cache_salt="")
+    got = built["mm_kwargs"]["image"][0]
+    assert torch.equal(got["image_grid_thw"].data, item["image_grid_thw"].data)
+    assert torch.equal(got["pixel_values"].data, item["pixel_values"].data.to(torch.bfloat16))
+    assert got["pixel_values"].field == item["pixel_values"].field  # flat, as vLLM's
+    assert built["mm_placeholders"]["image"][0].length == placeholder.length
+
+
+def _qwen2_vl_item(grid: tuple[int, int, int], rows: int, pads: int, width: int = 1176):
+    item = MultimodalItem(
+        "image",
+        "bad",
+        1,
+        pads,
+        None,
+        {
+            "pixel_values": _wire(torch.zeros(rows, width, dtype=torch.bfloat16)),
+            "image_grid_thw": _wire(torch.tensor(grid)),
+        },
+    )
+    return [VISION_START, *[IMAGE_PAD] * pads, VISION_END], item
+
+
+def _wire(tensor):
+    from client.multimodal_processor import to_wire_tensor
+
+    return to_wire_tensor(tensor)
+
+
+@pytest.mark.parametrize(
+    ("grid", "rows", "pads", "width", "named"),
+    [
+        # An odd height: 12 patches, 3 embeddings, all consistent, and vLLM's Qwen2-VL
+        # rot_pos_emb would fail to reshape it inside the engine (ENGINE_DEAD for all).
+        ((1, 3, 4), 12, 3, 1176, "tensors['image_grid_thw'][1] is 3; the model's processor"),
+        ((1, 4, 6), 24, 6, 1176, None),  # the same area, even: accepted
+        ((2, 4, 4), 32, 8, 1176, "tensors['image_grid_thw'][0] must be 1"),
+        ((1, 4, 4), 15, 4, 1176, "dim 0 of tensors['pixel_values'] is 15"),
+        ((1, 4, 4), 16, 5, 1176, "its tensors make 4 embeddings"),
+        ((1, 4, 4), 16, 4, 1175, "dim 1 must be 1176"),
+        ((1, 0, 4), 0, 0, 1176, "must be positive"),
+    ],
+)
+def test_an_item_the_processor_would_not_make_is_refused_by_name(
+    schema, grid, rows, pads, width, named
+):
+    prompt, item = _qwen2_vl_item(grid, rows, pads, width)
+    if named is None:
+        inputs_for(schema).build(prompt, [item], cache_salt="")
+        return
+    with pytest.raises(RequestRejected) as info:
+        inputs_for(schema).build(prompt, [item], cache_salt="")
+    assert info.value.message.startswith("multimodal[0]: ") and named in info.value.message
+
+
+def test_probes_that_follow_no_rule_are_not_served(image_processor):
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    from gateway.vllm.multimodal import schema_from_probes
+
+    sizes = [(56, 56), (112, 56), (112, 112)]
+    probes = [qwen2_vl_probe(image_processor, noise_image(w, h, 1)) for w, h in sizes]
+    item, placeholder, prompt = probes[1]  # its embeddings no longer follow the grid:
+    probes[1] = (item, PlaceholderRange(offset=1, length=placeholder.length - 1), prompt)
+    with pytest.raises(ValueError, match="follow no count"):
+        schema_from_probes("image", probes)
