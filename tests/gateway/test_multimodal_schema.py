@@ -9,6 +9,8 @@ models that do run here go through the same code end to end in test_multimodal*.
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from client import MultimodalItem
 from gateway.errors import RequestRejected
@@ -151,3 +153,58 @@ def test_probes_that_follow_no_rule_are_not_served(image_processor):
     probes[1] = (item, PlaceholderRange(offset=1, length=placeholder.length - 1), prompt)
     with pytest.raises(ValueError, match="follow no count"):
         schema_from_probes("image", probes)
+
+
+_MUTATIONS = ["rows", "width", "pads", "pixel_dtype", "grid_dtype", "rank", "token", "sign"]
+
+
+@st.composite
+def fuzzed_items(draw):
+    """A prompt and one item as Qwen2-VL's processor could make it (any grid up to 9x9,
+    half of them odd), with up to two things made a little wrong."""
+    grid = [
+        draw(st.sampled_from([1, 1, 1, 2, 0])),
+        draw(st.integers(1, 9)),
+        draw(st.integers(1, 9)),
+    ]
+    area = grid[0] * grid[1] * grid[2]
+    wrong = draw(st.sets(st.sampled_from(_MUTATIONS + ["missing"]), max_size=2))
+    rows = max(area + draw(st.sampled_from([-1, 1])) * ("rows" in wrong), 0)
+    width = 1175 if "width" in wrong else 1176
+    pads = max(area // 4 + ("pads" in wrong), 1)
+    pixel_dtype = "int32" if "pixel_dtype" in wrong else draw(st.sampled_from(_FLOATS))
+    grid_dtype = draw(st.sampled_from(["bool", "float32"] if "grid_dtype" in wrong else _INTS))
+    shape = [1, rows, width] if "rank" in wrong else [rows, width]
+    pad_token = 5 if "token" in wrong else IMAGE_PAD
+    sign = -1 if "sign" in wrong else 1
+    tensors = {
+        "pixel_values": _wire(torch.zeros(shape, dtype=getattr(torch, pixel_dtype))),
+        "image_grid_thw": _wire((sign * torch.tensor(grid)).to(getattr(torch, grid_dtype))),
+    }
+    if "missing" in wrong:
+        del tensors[draw(st.sampled_from(sorted(tensors)))]
+    prompt = [VISION_START, *[pad_token] * pads, VISION_END]
+    return prompt, MultimodalItem("image", "fuzz", 1, pads, None, tensors)
+
+
+_FLOATS = ["float32", "bfloat16", "float16"]
+_INTS = ["int64", "int32", "int16", "uint8"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=fuzzed_items())
+def test_any_item_is_built_as_the_engine_needs_or_refused_by_name(schema, case):
+    prompt, item = case
+    try:
+        built = inputs_for(schema).build(prompt, [item], cache_salt="")
+    except RequestRejected as refused:
+        assert refused.message.startswith("multimodal[0]: ")
+        return
+    # What vLLM's Qwen2-VL model relies on: a grid it can fold, rows and pads that match.
+    got = built["mm_kwargs"]["image"][0]
+    t, h, w = got["image_grid_thw"].data.tolist()
+    assert (t, h % MERGE, w % MERGE) == (1, 0, 0) and h > 0 and w > 0
+    assert got["pixel_values"].data.shape == (t * h * w, 1176)
+    assert got["pixel_values"].data.dtype == torch.bfloat16
+    assert got["image_grid_thw"].data.dtype == torch.int64
+    assert item.length == t * h * w // MERGE**2 and set(prompt[1:-1]) == {IMAGE_PAD}
