@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import msgspec
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from codec import Error, ErrorCode, Generate, Hello, MultimodalItem, Tensor
 from gateway.multimodal_store import ItemProblem, MultimodalStore, content_id
@@ -178,3 +181,76 @@ def test_a_text_model_refuses_items_as_unsupported():
     (refusal,) = h.take(b"c1")
     assert refusal.code is ErrorCode.UNSUPPORTED and "takes no multimodal items" in refusal.message
     assert h.table.wire_limits.max_multimodal_items == 0
+
+
+_SIZES = {"float32": 4, "bfloat16": 2, "int64": 8, "uint8": 1, "bool": 1}
+
+
+@st.composite
+def wire_requests(draw):
+    """A request's items as a client would send them, in prompt order, apart, each with
+    tensors or a hash alone (hashes from a small set, so some are held and some are not);
+    now and then one thing wrong: a dtype name, a byte length, a placeholder out of place
+    or past the prompt, an is_embed mask, an empty tensors map."""
+    items, offset = [], draw(st.integers(0, 2))
+    for _ in range(draw(st.integers(0, 4))):
+        wrong = draw(st.sampled_from([None] * 6 + ["dtype", "bytes", "overlap", "mask", "empty"]))
+        dtype = "complex64" if wrong == "dtype" else draw(st.sampled_from(sorted(_SIZES)))
+        shape = draw(st.lists(st.integers(0, 40), max_size=3))
+        nbytes = _SIZES.get(dtype, 8) * math.prod(shape) + (wrong == "bytes")
+        tensors = {"pixel_values": Tensor(dtype, shape, bytes(nbytes))}
+        tensors = {} if wrong == "empty" else draw(st.sampled_from([None, tensors, tensors]))
+        length = draw(st.integers(1, 3))
+        mask = draw(st.none() | st.lists(st.booleans(), min_size=length, max_size=length))
+        if wrong == "mask":
+            mask = [False] * length if draw(st.booleans()) else [True] * (length + 1)
+        # "overlap": on the previous item's last position.
+        at = items[-1].offset + items[-1].length - 1 if wrong == "overlap" and items else offset
+        hash_ = draw(st.sampled_from(["a", "b", "c"]))
+        items.append(MultimodalItem("image", hash_, at, length, mask, tensors))
+        offset = at + length + draw(st.integers(0, 2))
+    return items
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 3), wire_requests(), st.booleans()),
+        max_size=12,
+    )
+)
+def test_any_items_resolve_within_their_checks_or_are_refused_by_name(requests):
+    """Requests from three sessions (some sessions ending): every resolve either refuses with
+    a message naming the item or limit, or gives items that pass every wire check, each
+    with its tensors and a content id; the held bytes stay within capacity and add up."""
+    s = store(capacity=4096, max_item_bytes=1024, max_request_bytes=2048)
+    accepted = 0
+    for session, items, ends in requests:
+        try:
+            resolved = s.resolve(session, items, len(PROMPT))
+        except ItemProblem as refused:
+            assert refused.message.startswith("multimodal")
+            assert refused.code in (ErrorCode.INVALID_REQUEST, ErrorCode.MULTIMODAL_ITEM_UNKNOWN)
+        else:
+            end = -1
+            for sent, got in zip(items, resolved, strict=True):
+                assert got.tensors and got.hash == content_id(got) and got.modality == sent.modality
+                assert (got.offset, got.length, got.is_embed) == (
+                    sent.offset,
+                    sent.length,
+                    sent.is_embed,
+                )
+                assert end < got.offset and got.offset + got.length <= len(PROMPT)
+                end = got.offset + got.length - 1
+                assert sent.is_embed is None or (
+                    len(sent.is_embed) == sent.length and any(sent.is_embed)
+                )
+                for t in got.tensors.values():
+                    assert len(t.data) == _SIZES[t.dtype] * math.prod(t.shape) <= 1024
+            s.remember(session, items, resolved)
+            accepted += 1
+        if ends:
+            s.drop_session(session)
+        assert 0 <= s.held_bytes <= 4096
+        assert s.held_bytes == sum(e.nbytes for e in s._entries.values())
+    event(f"accepted {min(accepted, 3)}+")
