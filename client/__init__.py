@@ -6,13 +6,16 @@ subclasses carrying the gateway's ErrorCode.
 """
 
 from codec import (
+    EmbeddingRule,
     ErrorCode,
     FinishReason,
+    ItemSchema,
     MultimodalItem,
     RequestOptions,
     RequestOutput,
     SamplingParams,
     Tensor,
+    TensorSchema,
 )
 
 from .aio import AsyncClient, RequestStream
@@ -47,6 +50,9 @@ __all__ = [
     "RequestOutput",
     "MultimodalItem",
     "Tensor",
+    "ItemSchema",
+    "TensorSchema",
+    "EmbeddingRule",
     "FinishReason",
     "ErrorCode",
 ]

@@ -33,6 +33,9 @@ __all__ = [
     "GetHealth",
     "ClientMessage",
     "ModelInfo",
+    "TensorSchema",
+    "EmbeddingRule",
+    "ItemSchema",
     "Limits",
     "Logprobs",
     "Finished",
@@ -462,6 +465,42 @@ WEIGHT_TRANSFER_MESSAGES = (
 # ---------------------------------------------------------------- gateway -> client
 
 
+class TensorSchema(msgspec.Struct, frozen=True, gc=False):
+    """What one tensor of a multimodal item must be (a map on the wire; PROTOCOL.md §7.16).
+
+    ``dtype``: what the model's processor makes (a floating one takes any floating dtype,
+    an integer one any integer or bool dtype whose values it holds). ``dims``: per dim, a
+    fixed size, or the name of a count tensor of the item whose elements' product the size
+    equals. Count tensors (small integer ones) also carry ``values``, per element (flat, C
+    order) a value every item has or nil, and ``multiple_of``, per element a divisor
+    (1: any)."""
+
+    dtype: str
+    dims: list[int | str]
+    values: list[int | None] | None = None
+    multiple_of: list[int] | None = None
+
+
+class EmbeddingRule(msgspec.Struct, frozen=True, gc=False):
+    """How many embeddings an item fills (a map): ``factor`` when ``count`` is nil; else the
+    product of count tensor ``count``'s elements times ``factor``, or divided by it when
+    ``divide`` (then it must divide evenly)."""
+
+    count: str | None
+    factor: int
+    divide: bool = False
+
+
+class ItemSchema(msgspec.Struct, frozen=True, gc=False):
+    """What the model's processor makes for one item of a modality, as the gateway learnt it
+    and checks it (a map; PROTOCOL.md §7.16): its tensors by name, the tokens its embedding
+    positions hold, and how many embeddings it fills."""
+
+    tensors: dict[str, TensorSchema]
+    placeholder_tokens: list[int]
+    embeddings: EmbeddingRule
+
+
 class ModelInfo(msgspec.Struct, frozen=True, gc=False):
     """What a client needs to know of the served model (a map on the wire)."""
 
@@ -474,6 +513,8 @@ class ModelInfo(msgspec.Struct, frozen=True, gc=False):
     cpu_attention: str | None = None
     # Modalities a Generate's multimodal items may carry ("image", ...); empty: none.
     modalities: list[str] = []
+    # Per modality, what an item must be (the keys are ``modalities``).
+    multimodal: dict[str, ItemSchema] = {}
 
 
 class Limits(msgspec.Struct, frozen=True, gc=False):

@@ -7,11 +7,11 @@ process for unit tests and the gateway's own benchmark ceiling.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from codec import Generate, Logprobs
+from codec import Generate, ItemSchema, Logprobs
 
 __all__ = [
     "EngineInfo",
@@ -36,8 +36,13 @@ class EngineInfo:
     max_num_seqs: int
     # vLLM's CPU attention kernels for this model here (amx, vec, vec16, ...); None off CPU.
     cpu_attention: str | None = None
-    # Modalities a Generate's multimodal items may carry (the engine checks them).
-    modalities: tuple[str, ...] = ()
+    # Per modality a Generate's multimodal items may carry, what an item must be (the
+    # engine checks it; PROTOCOL.md §7.16).
+    multimodal: Mapping[str, ItemSchema] = field(default_factory=dict)
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(sorted(self.multimodal))
 
 
 class PrefillStatsLike(Protocol):

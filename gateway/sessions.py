@@ -269,6 +269,7 @@ class SessionTable:
             eos_token_ids=list(info.eos_token_ids),
             cpu_attention=info.cpu_attention,
             modalities=list(info.modalities),
+            multimodal=dict(info.multimodal),
         )
         # Items held for resending by hash, and the model-free item checks.
         self.multimodal = (

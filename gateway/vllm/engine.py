@@ -133,7 +133,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             max_logprobs=vocab_size if max_logprobs == -1 else max_logprobs,
             max_num_seqs=self._max_num_seqs,
             cpu_attention=cpu_attention_isa(vllm_config),
-            modalities=self._multimodal.modalities if self._multimodal is not None else (),
+            multimodal=self._multimodal.wire_schemas() if self._multimodal is not None else {},
         )
 
     @classmethod

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from codec import ErrorCode, MultimodalItem
+from codec import EmbeddingRule, ErrorCode, ItemSchema, MultimodalItem, TensorSchema
 
 from ..errors import RequestRejected
 
@@ -41,6 +41,17 @@ class _KeySpec:
     # Qwen-VL's image_grid_thw), or always a multiple (its spatial grid: of the merge size).
     pinned: dict[int, int] = field(default_factory=dict)  # element -> value
     multiple_of: dict[int, int] = field(default_factory=dict)  # element -> divisor
+    elements: int | None = None  # a count tensor's elements (the same in every probe)
+
+    def wire(self) -> TensorSchema:
+        dims: list[int | str] = [
+            self.fixed[d] if d in self.fixed else self.follows[d] for d in range(self.ndim)
+        ]
+        if self.elements is None:
+            return TensorSchema(self.dtype, dims)
+        values = [self.pinned.get(i) for i in range(self.elements)]
+        multiples = [self.multiple_of.get(i, 1) for i in range(self.elements)]
+        return TensorSchema(self.dtype, dims, values, multiples)
 
 
 @dataclass(slots=True)
@@ -55,6 +66,14 @@ class ModalitySchema:
     count_key: str | None
     scale: int
     divide: bool = False
+
+    def wire(self) -> ItemSchema:
+        """This schema as the wire's ``ModelInfo.multimodal`` says it."""
+        return ItemSchema(
+            {name: spec.wire() for name, spec in sorted(self.keys.items())},
+            sorted(self.placeholder_ids),
+            EmbeddingRule(self.count_key, self.scale, self.divide),
+        )
 
     def embeds(self, values: dict[str, list[int]]) -> int | None:
         if self.count_key is None:
@@ -175,6 +194,7 @@ def _learn_count_elements(schema: ModalitySchema, name: str, values: list[list[i
     if len({len(v) for v in values}) != 1:
         return
     spec = schema.keys[name]
+    spec.elements = len(values[0])
     divides = schema.divide and schema.count_key == name
     for index, column in enumerate(zip(*values, strict=True)):
         if len(set(column)) == 1:
@@ -234,6 +254,10 @@ class MultimodalInputs:
     @property
     def modalities(self) -> tuple[str, ...]:
         return tuple(sorted(self.schemas))
+
+    def wire_schemas(self) -> dict[str, ItemSchema]:
+        """Per modality, what an item must be, as ``ModelInfo.multimodal`` says it."""
+        return {modality: schema.wire() for modality, schema in sorted(self.schemas.items())}
 
     def build(self, prompt: Sequence[int], items: Sequence[MultimodalItem], cache_salt: str):
         """vLLM's ``mm_input`` for ``prompt`` with ``items``; RequestRejected naming the

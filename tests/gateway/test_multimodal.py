@@ -11,8 +11,10 @@ import msgspec
 import pytest
 
 from client import AsyncClient, RequestFailed
+from client.multimodal_check import item_problem
 from codec import (
     VERSION_FRAME,
+    EmbeddingRule,
     Error,
     ErrorCode,
     Generate,
@@ -20,6 +22,7 @@ from codec import (
     MultimodalItem,
     SamplingParams,
     Tensor,
+    TensorSchema,
     decode_server,
     encode_payload,
 )
@@ -100,11 +103,21 @@ async def test_images_match_offline_vllm(vlm_gateway, processor, offline):
     assert schema.keys["pixel_values"].follows == {0: "num_patches"}
     assert schema.keys["pixel_values"].fixed == {1: 3, 2: 56, 3: 56}
     async with AsyncClient(vlm_gateway.addresses[0]) as client:
-        assert client.hello_ack.model.modalities == ["image"]
+        model = client.hello_ack.model
+        assert model.modalities == ["image"]
         assert client.hello_ack.limits.max_multimodal_items == 16
+        # ... and what HelloAck tells clients of it.
+        said = model.multimodal["image"]
+        assert said.tensors["pixel_values"].dims == ["num_patches", 3, 56, 56]
+        assert said.tensors["num_patches"] == TensorSchema("int64", [], [None], [1])
+        assert (said.embeddings, said.placeholder_tokens) == (
+            EmbeddingRule("num_patches", 4),
+            [IMG],
+        )
         for case, expected in zip(CASES, offline, strict=True):
             prompt, items = _processed(processor, case)
             assert len(items) == len(case[1])
+            assert [item_problem(model, prompt, i) for i in items] == [None] * len(items)
             assert sum(t == IMG for t in prompt) == sum(i.is_embed.count(True) for i in items)
             assert await _tokens(client, prompt, items) == expected, case
 
@@ -225,6 +238,8 @@ async def test_bad_items_are_refused_by_name_while_another_streams(vlm_gateway, 
         first = await stream.__anext__()
         bystander_tokens += len(first.new_token_ids)
         for name, bad_prompt, bad_items, code, words in _bad_items(prompt, items[0]):
+            if len(bad_items) == 1:  # the client's own check sees it too
+                assert item_problem(client.hello_ack.model, bad_prompt, bad_items[0]), name
             try:
                 await _tokens(client, bad_prompt, bad_items)
             except RequestFailed as exc:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from client import AsyncClient
+from client.multimodal_check import item_problem
+from codec import EmbeddingRule
 from tests.conftest import cpu_engine_args, engine_gateway
 from tests.helpers import greedy, noise_image
 from tests.offline_reference import run_offline_reference
@@ -51,10 +53,14 @@ async def test_images_match_offline_vllm(tmp_path_factory, architecture):
         assert schema.keys["pixel_values"].fixed == {0: 3, 1: 28, 2: 28}
         assert schema.placeholder_ids == {image_token}
         async with AsyncClient(gateway.addresses[0]) as client:
-            assert client.hello_ack.model.modalities == ["image"]
+            model = client.hello_ack.model
+            assert model.modalities == ["image"]
+            said = model.multimodal["image"]
+            assert said.tensors["pixel_values"].dims == [3, 28, 28]
+            assert said.embeddings == EmbeddingRule(None, 4)
             for (prompt, image), expected in zip(CASES, offline, strict=True):
                 ids, items = processor(prompt, [noise_image(*image)])
-                assert ids[:4] == [image_token] * 4
+                assert ids[:4] == [image_token] * 4 and item_problem(model, ids, items[0]) is None
                 tokens = []
                 async for out in client.generate(ids, greedy(8), multimodal=items):
                     tokens += out.new_token_ids

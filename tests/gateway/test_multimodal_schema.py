@@ -9,10 +9,12 @@ models that do run here go through the same code end to end in test_multimodal*.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from client import MultimodalItem
+from client.multimodal_check import item_problem
+from codec import EmbeddingRule, ItemSchema, ModelInfo, TensorSchema
 from gateway.errors import RequestRejected
 from tests.helpers import noise_image
 
@@ -82,6 +84,15 @@ def test_the_qwen2_vl_rules_are_learnt(schema):
     assert (grid.pinned, grid.multiple_of) == ({0: 1}, {1: MERGE, 2: MERGE})
     assert (schema.count_key, schema.scale, schema.divide) == ("image_grid_thw", 4, True)
     assert schema.placeholder_ids == {IMAGE_PAD}
+    # As HelloAck.model.multimodal says it to clients:
+    assert schema.wire() == ItemSchema(
+        {
+            "image_grid_thw": TensorSchema("int64", [3], [1, None, None], [1, MERGE, MERGE]),
+            "pixel_values": TensorSchema("float32", ["image_grid_thw", 1176]),
+        },
+        [IMAGE_PAD],
+        EmbeddingRule("image_grid_thw", 4, divide=True),
+    )
 
 
 @pytest.mark.parametrize("size", [(300, 170), (57, 900), (28, 28)])
@@ -195,11 +206,18 @@ _INTS = ["int64", "int32", "int16", "uint8"]
 @given(case=fuzzed_items())
 def test_any_item_is_built_as_the_engine_needs_or_refused_by_name(schema, case):
     prompt, item = case
+    # A client's own check, from the wire schema alone, comes to the gateway's decision.
+    model = ModelInfo("qwen2-vl", 4096, 151936, [151645], multimodal={"image": schema.wire()})
+    predicted = item_problem(model, prompt, item)
     try:
         built = inputs_for(schema).build(prompt, [item], cache_salt="")
     except RequestRejected as refused:
         assert refused.message.startswith("multimodal[0]: ")
+        assert predicted is not None, refused.message
+        event("refused")
         return
+    assert predicted is None
+    event("accepted")
     # What vLLM's Qwen2-VL model relies on: a grid it can fold, rows and pads that match.
     got = built["mm_kwargs"]["image"][0]
     t, h, w = got["image_grid_thw"].data.tolist()

@@ -10,7 +10,17 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from codec import Error, ErrorCode, Generate, Hello, MultimodalItem, Tensor
+from codec import (
+    EmbeddingRule,
+    Error,
+    ErrorCode,
+    Generate,
+    Hello,
+    ItemSchema,
+    MultimodalItem,
+    Tensor,
+    TensorSchema,
+)
 from gateway.multimodal_store import ItemProblem, MultimodalStore, content_id
 from gateway.sessions import GatewayLimits
 from tests.helpers import FAKE_INFO, TableHarness
@@ -130,8 +140,12 @@ def test_a_modality_mismatch_by_hash_is_refused():
     assert "was sent as 'image'" in found.message
 
 
+# Any schema: the fake engine checks nothing; the table passes it on in HelloAck.
+IMAGE = ItemSchema({"pixel_values": TensorSchema("float32", ["n"])}, [6], EmbeddingRule(None, 4))
+
+
 def _vlm_table(**limits) -> TableHarness:
-    info = dataclasses.replace(FAKE_INFO, modalities=("image",))
+    info = dataclasses.replace(FAKE_INFO, multimodal={"image": IMAGE})
     h = TableHarness(GatewayLimits(**limits), info)
     h.prepared = []
     prepare = h.table._prepare
@@ -149,6 +163,7 @@ def test_the_table_holds_a_sessions_items_until_it_ends():
     h.send(b"c1", Hello(1))
     ack = h.take(b"c1")
     assert ack[0].model.modalities == ["image"] and ack[0].limits.max_multimodal_items == 16
+    assert ack[0].model.multimodal == {"image": IMAGE}
     h.send(b"c1", Generate("r1", PROMPT, multimodal=[bare("h1")]))
     (refusal,) = h.take(b"c1")
     assert isinstance(refusal, Error) and refusal.code is ErrorCode.MULTIMODAL_ITEM_UNKNOWN
