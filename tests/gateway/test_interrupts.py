@@ -73,7 +73,9 @@ async def test_a_stop_during_engine_start_up_is_prompt_and_clean(gateway_process
         code = await asyncio.to_thread(gw.proc.wait, 60)
         took = time.monotonic() - sent
         assert code == 0, gw.output()[-3000:]
-        assert took < 15, took
+        # Here 7-10 s, 5 of them vLLM's grace for an EngineCore still starting its worker
+        # (then it is killed); the defects this guards against took 25 and 36 s.
+        assert took < 20, took
         family += [p.pid for p in gw.descendants()]
         await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
     finally:
