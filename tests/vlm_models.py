@@ -11,13 +11,22 @@ PALIGEMMA_IMAGE_TOKEN = 599
 BLIP2_IMAGE_TOKEN = 599
 
 
+def _word_level(tokenizer_class, special: dict[str, int], **tokens: str):  # noqa: ANN202
+    """A WordLevel tokenizer of 600 ids: ``special`` and ``t{i}`` for every other id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(600) if i not in special.values()} | special
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer_class(tokenizer_object=words, unk_token="<unk>", **tokens)
+
+
 def make_tiny_paligemma(folder: Path) -> Path:
     """Write the model to ``folder`` (once) and return it."""
     if (folder / "engine-gateway.json").exists():
         return folder
     import torch
     from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         GemmaConfig,
         GemmaTokenizerFast,
@@ -31,13 +40,9 @@ def make_tiny_paligemma(folder: Path) -> Path:
     from gateway.tiny_model import _draw_weights
 
     special = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "\n": 598, "<image>": 599}
-    vocab = {f"t{i}": i for i in range(600) if i not in special.values()} | special
-    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = GemmaTokenizerFast(
-        tokenizer_object=words, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        unk_token="<unk>",
-    )  # fmt: skip
+    tokenizer = _word_level(
+        GemmaTokenizerFast, special, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     images = SiglipImageProcessor(size={"height": 28, "width": 28}, image_seq_length=4)
     processor = PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
@@ -79,7 +84,6 @@ def make_tiny_blip2(folder: Path) -> Path:
     if (folder / "engine-gateway.json").exists():
         return folder
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         Blip2Config,
         Blip2ForConditionalGeneration,
@@ -94,13 +98,9 @@ def make_tiny_blip2(folder: Path) -> Path:
     from gateway.tiny_model import _draw_weights
 
     special = {"<pad>": 1, "</s>": 2, "<unk>": 3, "<image>": BLIP2_IMAGE_TOKEN}
-    vocab = {f"t{i}": i for i in range(600) if i not in special.values()} | special
-    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token="</s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>",
-    )  # fmt: skip
+    tokenizer = _word_level(
+        PreTrainedTokenizerFast, special, bos_token="</s>", eos_token="</s>", pad_token="<pad>"
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tokenizer.image_token = "<image>"
     images = BlipImageProcessorPil(size={"height": 28, "width": 28})
