@@ -140,7 +140,9 @@ def probe_image_schema(processor: Any) -> ModalitySchema:
     return schema_from_probes("image", _probe_images(processor))
 
 
-def schema_from_probes(modality: str, probes: Sequence[tuple[Any, Any, list[int]]]):
+def schema_from_probes(
+    modality: str, probes: Sequence[tuple[Any, Any, list[int]]]
+) -> ModalitySchema:
     """The schema that every probe follows: ``probes`` are (vLLM ``MultiModalKwargsItem``,
     ``PlaceholderRange``, prompt ids) of one item each, from items of different sizes."""
     import torch
