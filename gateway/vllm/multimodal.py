@@ -118,8 +118,8 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
     dummy = processor.get_dummy_inputs(seq_len, {"image": 1}, options)
     data = processor.dummy_inputs.get_dummy_mm_data(seq_len, {"image": 1}, options)
     image = data["image"]
-    probes = []
-    for w, h in _probe_sizes(*(image[0] if isinstance(image, list) else image).size):
+
+    def probe(w: int, h: int) -> tuple[Any, Any, list[int]]:
         picture = Image.new("RGB", (w, h), color=(37 * w % 256, 91, 200))
         inputs = ProcessorInputs(
             prompt=list(dummy.prompt),
@@ -127,10 +127,27 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
             hf_processor_mm_kwargs=dummy.hf_processor_mm_kwargs,
         )
         out = processor.apply(inputs, timing_ctx=TimingContext(enabled=False))
-        probes.append(
-            (out["mm_kwargs"]["image"][0], out["mm_placeholders"]["image"][0],
-             out["prompt_token_ids"])
+        return (
+            out["mm_kwargs"]["image"][0], out["mm_placeholders"]["image"][0],
+            out["prompt_token_ids"],
         )  # fmt: skip
+
+    return _each_size(_probe_sizes(*(image[0] if isinstance(image, list) else image).size), probe)
+
+
+def _each_size(sizes: Sequence[tuple[int, int]], probe: Any) -> list:
+    """``probe(w, h)`` for each size. A size the processor refuses is left out (no client
+    can send such an image either) while three or more remain; else ValueError."""
+    probes, refused = [], []
+    for w, h in sizes:
+        try:
+            probes.append(probe(w, h))
+        except Exception as exc:  # the processor's own refusal, of any type
+            refused.append(f"{w}x{h}: {exc}")
+    if len(probes) < 3:
+        raise ValueError(f"the processor refused the probe images ({'; '.join(refused)})")
+    if refused:
+        logger.info("image sizes the model's processor refused: %s", "; ".join(refused))
     return probes
 
 

@@ -226,3 +226,18 @@ def test_any_item_is_built_as_the_engine_needs_or_refused_by_name(schema, case):
     assert got["pixel_values"].data.dtype == torch.bfloat16
     assert got["image_grid_thw"].data.dtype == torch.int64
     assert item.length == t * h * w // MERGE**2 and set(prompt[1:-1]) == {IMAGE_PAD}
+
+
+def test_a_size_the_processor_refuses_is_left_out_while_three_remain():
+    from gateway.vllm.multimodal import _each_size
+
+    def probe(w: int, h: int):
+        if w < 100:
+            raise ValueError(f"{w} px is too narrow")
+        return (w, h)
+
+    assert _each_size([(300, 200), (50, 200), (200, 300), (100, 100)], probe) == [
+        (300, 200), (200, 300), (100, 100)
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="refused the probe images.*50x200: 50 px is too narrow"):
+        _each_size([(300, 200), (50, 200), (40, 40)], probe)
