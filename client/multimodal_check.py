@@ -14,12 +14,18 @@ import math
 import struct
 from collections.abc import Sequence
 
-from codec import ItemSchema, ModelInfo, MultimodalItem, Tensor, TensorSchema
+from codec import (
+    FLOATING_DTYPES,
+    TENSOR_DTYPE_SIZES,
+    ItemSchema,
+    ModelInfo,
+    MultimodalItem,
+    Tensor,
+    TensorSchema,
+)
 
 __all__ = ["item_problem"]
 
-_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-_FLOATING = set(_SIZES)
 # struct formats (little-endian) and value ranges of the integer dtypes a Tensor may carry.
 _INTEGERS = {
     "int64": ("q", -(2**63), 2**63 - 1),
@@ -29,7 +35,6 @@ _INTEGERS = {
     "uint8": ("B", 0, 255),
     "bool": ("?", 0, 1),
 }
-_SIZES |= {name: struct.calcsize(fmt) for name, (fmt, _, _) in _INTEGERS.items()}
 
 
 def item_problem(model: ModelInfo, prompt: Sequence[int], item: MultimodalItem) -> str | None:
@@ -42,7 +47,7 @@ def item_problem(model: ModelInfo, prompt: Sequence[int], item: MultimodalItem) 
     if set(tensors) != set(schema.tensors):
         return f"tensors must be exactly {sorted(schema.tensors)}, not {sorted(tensors)}"
     for name, tensor in tensors.items():
-        size = _SIZES.get(tensor.dtype)
+        size = TENSOR_DTYPE_SIZES.get(tensor.dtype)
         if size is None:
             return f"tensors[{name!r}].dtype {tensor.dtype!r} is not one the wire carries"
         if len(tensor.data) != size * math.prod(tensor.shape):
@@ -65,9 +70,9 @@ def item_problem(model: ModelInfo, prompt: Sequence[int], item: MultimodalItem) 
 
 
 def _dtype_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | None:
-    if (tensor.dtype in _FLOATING) != (spec.dtype in _FLOATING):
+    if (tensor.dtype in FLOATING_DTYPES) != (spec.dtype in FLOATING_DTYPES):
         return f"tensors[{name!r}] is {tensor.dtype}; the model takes {spec.dtype}"
-    if tensor.dtype not in _FLOATING and tensor.dtype != spec.dtype:
+    if tensor.dtype not in FLOATING_DTYPES and tensor.dtype != spec.dtype:
         low, high = _INTEGERS[spec.dtype][1:]
         if any(not low <= v <= high for v in _integers(tensor)):
             return f"tensors[{name!r}] holds values {spec.dtype} cannot hold"

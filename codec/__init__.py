@@ -16,7 +16,9 @@ from .framing import (
 )
 from .messages import (
     CONTROL_MESSAGES,
+    FLOATING_DTYPES,
     PROTOCOL_VERSION,
+    TENSOR_DTYPE_SIZES,
     WEIGHT_TRANSFER_MESSAGES,
     Abort,
     AbortAck,
@@ -90,6 +92,8 @@ __all__ = [
     "ErrorCode",
     "SamplingParams",
     "RequestOptions",
+    "TENSOR_DTYPE_SIZES",
+    "FLOATING_DTYPES",
     "Tensor",
     "MultimodalItem",
     "Hello",

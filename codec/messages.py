@@ -23,6 +23,8 @@ __all__ = [
     "ErrorCode",
     "SamplingParams",
     "RequestOptions",
+    "TENSOR_DTYPE_SIZES",
+    "FLOATING_DTYPES",
     "Tensor",
     "MultimodalItem",
     "Hello",
@@ -191,6 +193,22 @@ class RequestOptions(
     # Sticky placement over data-parallel ranks (--routing cache): a conversation or
     # episode id; requests with one key go to one rank while no rank holds the prefix.
     routing_key: str | None = None
+
+
+# The torch dtype names a Tensor may carry, and their sizes in bytes (PROTOCOL.md §5).
+TENSOR_DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 
 
 class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):

@@ -18,29 +18,14 @@ from dataclasses import dataclass
 
 import msgspec
 
-from codec import ErrorCode, MultimodalItem, Tensor
+from codec import TENSOR_DTYPE_SIZES, ErrorCode, MultimodalItem, Tensor
 
 __all__ = [
-    "DTYPE_SIZES",
     "ItemProblem",
     "MultimodalStore",
     "content_id",
     "tensor_bytes",
 ]
-
-# torch dtype names a Tensor may carry, and their sizes in bytes.
-DTYPE_SIZES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float64": 8,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +58,12 @@ def _name(index: int, item: MultimodalItem) -> str:
 
 
 def _check_tensor(where: str, name: str, tensor: Tensor, item_limit: int) -> None:
-    size = DTYPE_SIZES.get(tensor.dtype)
+    size = TENSOR_DTYPE_SIZES.get(tensor.dtype)
     if size is None:
         raise ItemProblem(
             ErrorCode.INVALID_REQUEST,
             f"{where}: tensors[{name!r}].dtype {tensor.dtype!r} is not one of"
-            f" {', '.join(DTYPE_SIZES)}",
+            f" {', '.join(TENSOR_DTYPE_SIZES)}",
         )
     count = 1
     for dim in tensor.shape:

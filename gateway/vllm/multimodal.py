@@ -19,15 +19,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from codec import EmbeddingRule, ErrorCode, ItemSchema, MultimodalItem, TensorSchema
+from codec import (
+    FLOATING_DTYPES,
+    EmbeddingRule,
+    ErrorCode,
+    ItemSchema,
+    MultimodalItem,
+    TensorSchema,
+)
 
 from ..errors import RequestRejected
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModalitySchema", "MultimodalInputs", "probe_image_schema", "schema_from_probes"]
-
-_FLOATING = {"float32", "float16", "bfloat16", "float64"}
 
 
 @dataclass(slots=True)
@@ -357,8 +362,8 @@ class MultimodalInputs:
         tensors = {}
         for name, wire in given.items():
             spec = schema.keys[name]
-            floating = spec.dtype in _FLOATING
-            if floating != (wire.dtype in _FLOATING):
+            floating = spec.dtype in FLOATING_DTYPES
+            if floating != (wire.dtype in FLOATING_DTYPES):
                 kind = "a floating dtype" if floating else "an integer or bool dtype"
                 raise RequestRejected(
                     f"{where}: tensors[{name!r}].dtype is {wire.dtype}; the model takes {kind}"

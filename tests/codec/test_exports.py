@@ -24,6 +24,8 @@ EXPECTED_CODEC = {
     "ErrorCode",
     "SamplingParams",
     "RequestOptions",
+    "TENSOR_DTYPE_SIZES",
+    "FLOATING_DTYPES",
     "Tensor",
     "MultimodalItem",
     "Hello",

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from client import MultimodalItem
 from client.multimodal_check import item_problem
+from client.multimodal_processor import to_wire_tensor
 from codec import EmbeddingRule, ItemSchema, ModelInfo, TensorSchema
 from gateway.errors import RequestRejected
 from tests.helpers import noise_image
@@ -64,8 +65,6 @@ def schema(image_processor):
 
 
 def wire_item(item, placeholder, hash_="h") -> MultimodalItem:
-    from client.multimodal_processor import to_wire_tensor
-
     tensors = {name: to_wire_tensor(elem.data) for name, elem in item.items()}
     return MultimodalItem("image", hash_, placeholder.offset, placeholder.length, None, tensors)
 
@@ -114,17 +113,11 @@ def _qwen2_vl_item(grid: tuple[int, int, int], rows: int, pads: int, width: int 
         pads,
         None,
         {
-            "pixel_values": _wire(torch.zeros(rows, width, dtype=torch.bfloat16)),
-            "image_grid_thw": _wire(torch.tensor(grid)),
+            "pixel_values": to_wire_tensor(torch.zeros(rows, width, dtype=torch.bfloat16)),
+            "image_grid_thw": to_wire_tensor(torch.tensor(grid)),
         },
     )
     return [VISION_START, *[IMAGE_PAD] * pads, VISION_END], item
-
-
-def _wire(tensor):
-    from client.multimodal_processor import to_wire_tensor
-
-    return to_wire_tensor(tensor)
 
 
 @pytest.mark.parametrize(
@@ -189,8 +182,10 @@ def fuzzed_items(draw):
     pad_token = 5 if "token" in wrong else IMAGE_PAD
     sign = -1 if "sign" in wrong else 1
     tensors = {
-        "pixel_values": _wire(torch.zeros(shape, dtype=getattr(torch, pixel_dtype))),
-        "image_grid_thw": _wire((sign * torch.tensor(grid)).to(getattr(torch, grid_dtype))),
+        "pixel_values": to_wire_tensor(torch.zeros(shape, dtype=getattr(torch, pixel_dtype))),
+        "image_grid_thw": to_wire_tensor(
+            (sign * torch.tensor(grid)).to(getattr(torch, grid_dtype))
+        ),
     }
     if "missing" in wrong:
         del tensors[draw(st.sampled_from(sorted(tensors)))]
