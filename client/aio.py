@@ -31,6 +31,7 @@ import zmq
 from codec import (
     PROTOCOL_VERSION,
     VERSION_FRAME,
+    AbandonWeightUpdate,
     Abort,
     AbortAck,
     ControlDone,
@@ -560,12 +561,20 @@ class AsyncClient(CompletionCalls):
     # ---- weight transfer (vLLM's weight-transfer API; client.weight_sync drives it)
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> ControlDone:
-        """vLLM's init_weight_transfer_engine on every worker (the backend's init map)."""
+        """vLLM's init_weight_transfer_engine on every worker (the backend's init map; the
+        ``cpu`` backend takes ``{}`` and answers with ``result["directory"]``, the private
+        folder the gateway made for the buffer files)."""
         return await self._call(InitWeightTransfer, init_info)
 
-    async def start_weight_update(self) -> ControlDone:
-        """Open a weight update: generation is held until it ends (finish, or failure)."""
-        return await self._call(StartWeightUpdate)
+    async def start_weight_update(self, pause: str | None = None) -> ControlDone:
+        """Open a weight update: generation is held until it ends (finish, abandon, or
+        failure) with vLLM's pause mode ``pause`` ("keep" when None, "wait", "abort")."""
+        return await self._call(StartWeightUpdate, pause)
+
+    async def abandon_weight_update(self) -> ControlDone:
+        """End this session's open update where it stands (layers not finished keep their
+        old weights; WEIGHTS_INCOMPLETE if some took new ones); its hold on generation ends."""
+        return await self._call(AbandonWeightUpdate)
 
     async def update_weights(self, update_info: dict | list[dict]) -> ControlDone:
         """One chunk of the open update (the backend's update map, or one per worker)."""

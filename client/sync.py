@@ -154,8 +154,11 @@ class Client:
     def init_weight_transfer_engine(self, init_info: dict):  # noqa: ANN201 - ControlDone
         return self._run(self._async.init_weight_transfer_engine(init_info))
 
-    def start_weight_update(self):  # noqa: ANN201 - ControlDone
-        return self._run(self._async.start_weight_update())
+    def start_weight_update(self, pause: str | None = None):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.start_weight_update(pause))
+
+    def abandon_weight_update(self):  # noqa: ANN201 - ControlDone
+        return self._run(self._async.abandon_weight_update())
 
     def update_weights(self, update_info: dict | list[dict]):  # noqa: ANN201 - ControlDone
         return self._run(self._async.update_weights(update_info))

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,18 +27,18 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from .weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_DIRECTORY, shared_memory_buckets
+from .weight_sync import DEFAULT_BUCKET_BYTES, shared_memory_buckets
 
 __all__ = ["CpuTrainerInitInfo", "CpuTrainerWeightTransferEngine"]
 
 
 @dataclass
 class CpuTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info of the ``cpu`` backend (trainer and engines on one host)."""
+    """Trainer-side init info of the ``cpu`` backend (trainer and engines on one host; the
+    buffer folder is the gateway's, learnt at init through ``GatewayWeightSyncClient``)."""
 
     backend: ClassVar[str] = "cpu"
 
-    directory: str = DEFAULT_DIRECTORY
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
@@ -63,7 +64,12 @@ class CpuTrainerWeightTransferEngine(TrainerWeightTransferEngine[CpuTrainerInitI
             raise ValueError("the cpu trainer engine needs a WeightSource")
         engine = cls(client=client, source=source, init_info=init_info)
         if engine.is_sender:
-            client.init_weight_transfer_engine({"directory": init_info.directory})
+            client.init_weight_transfer_engine({})
+            if not isinstance(getattr(client, "directory", None), str):
+                raise ValueError(
+                    "the cpu trainer engine needs a GatewayWeightSyncClient (it learns the"
+                    " gateway's buffer folder)"
+                )
         return engine
 
     def send_weights(self, weight_version: str | None = None) -> None:
@@ -74,14 +80,21 @@ class CpuTrainerWeightTransferEngine(TrainerWeightTransferEngine[CpuTrainerInitI
                 pass
             return
         self.client.start_weight_update()
-        with shared_memory_buckets(
-            self.source,
-            bucket_bytes=self.init_info.bucket_bytes,
-            directory=self.init_info.directory,
-        ) as buckets:
-            for update_info in buckets:
-                self.client.update_weights(update_info)
-        self.client.finish_weight_update(weight_version)
+        try:
+            with shared_memory_buckets(
+                self.source,
+                bucket_bytes=self.init_info.bucket_bytes,
+                directory=self.client.directory,  # type: ignore[attr-defined]
+            ) as buckets:
+                for update_info in buckets:
+                    self.client.update_weights(update_info)
+            self.client.finish_weight_update(weight_version)
+        except BaseException:
+            abandon = getattr(getattr(self.client, "client", None), "abandon_weight_update", None)
+            if abandon is not None:
+                with contextlib.suppress(Exception):
+                    abandon()  # the gateway may have ended the update already
+            raise
 
 
 if "cpu" not in WeightTransferTrainerFactory._registry:

@@ -4,8 +4,11 @@
 - ``send_weights(client, named_tensors, version=...)`` (blocking ``Client``) and
   ``await asend_weights(async_client, ...)``: a trainer holding a state dict updates the
   gateway's engines through the ``cpu`` backend (engines started with
-  ``--weight-transfer-config '{"backend": "cpu"}'`` on this host): pause, start, transfer
-  in shared-memory buckets, finish with the version, resume.
+  ``--weight-transfer-config '{"backend": "cpu"}'`` on this host): init (the gateway answers
+  with its private buffer folder), start (the gateway holds generation with the pause mode
+  asked for, until the update ends), shared-memory buckets, finish with the version. Any
+  failure, timeout or cancellation on the way abandons the update, so the engine never
+  stays held, and the original error is raised.
 - ``GatewayWeightSyncClient(client)``: vLLM's ``VLLMWeightSyncClient`` protocol over a
   gateway, for vLLM's own trainer engines (``nccl``, ``ipc``, and the ``cpu`` one in
   ``client.vllm_trainer``): ``WeightTransferTrainerFactory.trainer_init(init_info,
@@ -19,8 +22,9 @@ import contextlib
 import mmap
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from codec import ControlDone
@@ -30,17 +34,41 @@ from .sync import Client
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
-    "DEFAULT_DIRECTORY",
     "GatewayWeightSyncClient",
+    "IncompleteWeightUpdate",
     "asend_weights",
+    "buffer_folder",
     "send_weights",
     "shared_memory_buckets",
 ]
 
-DEFAULT_DIRECTORY = "/dev/shm"
 DEFAULT_BUCKET_BYTES = 512 << 20
 _ALIGN = 64  # every tensor starts at a multiple of this (any element size divides it)
 _PAUSE_MODES = ("keep", "wait", "abort", "none")
+_ABANDON_TIMEOUT_S = 30.0  # an abandon after a failure waits this long at most
+
+
+class IncompleteWeightUpdate(RuntimeError):
+    """A finished update left some layers with their old weights (``result`` says which)."""
+
+    def __init__(self, result: dict[str, Any]):
+        super().__init__(
+            f"the weight update gave new weights to {result.get('layers_updated')} of"
+            f" {result.get('layers')} layers; kept: {result.get('layers_not_updated')}"
+        )
+        self.result = result
+
+
+def buffer_folder(init_reply: ControlDone) -> str:
+    """The folder the gateway made for the ``cpu`` backend's buffers (InitWeightTransfer's
+    reply); ValueError for a gateway that named none (another backend)."""
+    result = init_reply.result
+    if not isinstance(result, dict) or not isinstance(result.get("directory"), str):
+        raise ValueError(
+            "the gateway named no buffer folder: are its engines started with"
+            """ --weight-transfer-config '{"backend": "cpu"}'?"""
+        )
+    return result["directory"]
 
 
 class GatewayWeightSyncClient:
@@ -48,11 +76,16 @@ class GatewayWeightSyncClient:
     ``Client``: vLLM's trainer engines drive a gateway's engines through it unchanged.
     Errors are the client's ``RequestFailed`` with the gateway's code."""
 
-    def __init__(self, client: Client):
+    def __init__(self, client: Client, *, require_complete: bool = True):
         self.client = client
+        self.require_complete = require_complete
+        self.directory: str | None = None  # the cpu backend's buffer folder, after init
+        self.last_result: dict[str, Any] | None = None  # the latest finish's result
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.client.init_weight_transfer_engine(init_info)
+        result = self.client.init_weight_transfer_engine(init_info).result
+        if isinstance(result, dict) and isinstance(result.get("directory"), str):
+            self.directory = result["directory"]
 
     def start_weight_update(self) -> None:
         self.client.start_weight_update()
@@ -61,7 +94,17 @@ class GatewayWeightSyncClient:
         self.client.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.client.finish_weight_update(weight_version)
+        """Finish; with ``require_complete`` (the default), an update that left any layer
+        with its old weights raises ``IncompleteWeightUpdate`` (vLLM's trainer path sends
+        whole models, and its protocol returns nothing)."""
+        result = self.client.finish_weight_update(weight_version).result
+        self.last_result = result
+        if (
+            self.require_complete
+            and isinstance(result, dict)
+            and result.get("layers_updated", 0) < result.get("layers", 0)
+        ):
+            raise IncompleteWeightUpdate(result)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.client.shutdown_weight_transfer_engine()
@@ -71,45 +114,75 @@ class GatewayWeightSyncClient:
 def shared_memory_buckets(
     named_tensors: Iterable[tuple[str, Any]],
     *,
+    directory: str,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    directory: str = DEFAULT_DIRECTORY,
 ) -> Iterator[Iterator[dict[str, Any]]]:
     """The ``cpu`` backend's ``update_info`` maps for ``named_tensors``, one per bucket of
     at most ``bucket_bytes`` (a larger tensor gets a bucket of its own). Each bucket is a
-    file in ``directory`` (tmpfs: memory); the next one is written on a thread while the
-    caller sends this one, and each is removed once the next is asked for, or on exit (the
-    engine's workers keep their mappings until the update ends). Tensors are read from
-    wherever they live (moved to CPU)."""
-    written: list[str] = []  # files not removed yet
+    file in ``directory`` (the gateway's buffer folder: ``buffer_folder``); the next one is
+    written on a thread while the caller sends this one, and each is removed once the next
+    is asked for, or on exit (the workers copy what a chunk names before answering it).
+    Tensors are read from wherever they live (moved to CPU). The iterator may be advanced
+    from another thread; leaving the block waits for a bucket being written."""
+    buckets = _Buckets(named_tensors, bucket_bytes, directory)
+    try:
+        yield buckets
+    finally:
+        buckets.close()
 
-    def remove(path: str) -> None:
+
+class _Buckets:
+    """Buckets written one ahead on a thread; safe to advance from any one thread at a
+    time and to close from another (close waits for an advance under way)."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int, directory: str):
+        self._groups = _groups(named_tensors, bucket_bytes)
+        self._directory = directory
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="weight-buckets")
+        self._lock = threading.Lock()
+        self._pending: Future | None = None
+        self._sent: str | None = None  # the bucket handed out last
+        self._written: list[str] = []  # files not removed yet
+        self._closed = False
+
+    def __iter__(self) -> _Buckets:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        with self._lock:
+            if self._closed:
+                raise StopIteration
+            if self._sent is not None:
+                self._remove(self._sent)
+                self._sent = None
+            if self._pending is None:
+                self._pending = self._write_next()
+            if self._pending is None:
+                raise StopIteration
+            info = self._pending.result()
+            self._pending = self._write_next()  # written while this one is sent
+            self._sent = info["buffer"]
+            return info
+
+    def _write_next(self) -> Future | None:
+        group = next(self._groups, None)
+        if group is None:
+            return None
+        tensors, size = group
+        return self._writer.submit(_write_bucket, tensors, size, self._directory, self._written)
+
+    def _remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         with contextlib.suppress(ValueError):
-            written.remove(path)
+            self._written.remove(path)
 
-    def buckets() -> Iterator[dict[str, Any]]:
-        with ThreadPoolExecutor(1, thread_name_prefix="weight-buckets") as writer:
-            pending = None
-            for group, size in _groups(named_tensors, bucket_bytes):
-                future = writer.submit(_write_bucket, group, size, directory, written)
-                if pending is not None:
-                    info = pending.result()
-                    yield info
-                    remove(info["buffer"])
-                pending = future
-            if pending is not None:
-                info = pending.result()
-                yield info
-                remove(info["buffer"])
-
-    stream = buckets()
-    try:
-        yield stream
-    finally:
-        stream.close()  # waits for a bucket being written
-        for path in list(written):
-            remove(path)
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._writer.shutdown(wait=True)  # a bucket being written ends first
+            for path in list(self._written):
+                self._remove(path)
 
 
 def _groups(
@@ -135,31 +208,30 @@ def send_weights(
     version: str | None = None,
     pause: str = "keep",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    directory: str = DEFAULT_DIRECTORY,
 ) -> ControlDone:
     """Update the gateway's engines with ``named_tensors`` (checkpoint names, e.g. a
     ``state_dict().items()``) through the ``cpu`` backend; FinishWeightUpdate's reply.
 
-    ``pause``: "keep" (running requests freeze and go on under the new weights: two
-    version spans), "wait" (they finish first), "abort" (they end), or "none" (no Pause
-    call; the gateway still holds generation while the update is open). A failure raises
-    ``RequestFailed`` (INVALID_REQUEST: nothing changed; WEIGHTS_INCOMPLETE: some layers
-    took new weights and generation is refused until a complete update)."""
+    ``pause``: how the gateway holds generation for the update (the hold ends with it,
+    however it ends): "keep" (running requests freeze and go on under the new weights: two
+    version spans), "wait" (they finish first), "abort" (they end); "none" is "keep". A
+    failure raises ``RequestFailed`` (INVALID_REQUEST: nothing changed; WEIGHTS_INCOMPLETE:
+    some layers took new weights and generation is refused until a complete update); that,
+    a timeout or Ctrl-C first abandons the update (AbandonWeightUpdate)."""
     _check_pause(pause)
-    client.init_weight_transfer_engine({"directory": directory})
-    if pause != "none":
-        client.pause(pause)
+    directory = buffer_folder(client.init_weight_transfer_engine({}))
+    client.start_weight_update(None if pause == "none" else pause)
     try:
-        client.start_weight_update()
         with shared_memory_buckets(
             named_tensors, bucket_bytes=bucket_bytes, directory=directory
         ) as buckets:
             for update_info in buckets:
                 client.update_weights(update_info)
         return client.finish_weight_update(version)
-    finally:
-        if pause != "none":
-            client.resume()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.abandon_weight_update()  # refused if the gateway ended it already
+        raise
 
 
 async def asend_weights(
@@ -169,25 +241,25 @@ async def asend_weights(
     version: str | None = None,
     pause: str = "keep",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    directory: str = DEFAULT_DIRECTORY,
 ) -> ControlDone:
     """``send_weights`` for an ``AsyncClient``; bucket files are written off the event loop
-    (its heartbeats go on meanwhile)."""
+    (its heartbeats go on meanwhile). Cancelling it abandons the update and raises
+    CancelledError."""
     _check_pause(pause)
-    await client.init_weight_transfer_engine({"directory": directory})
-    if pause != "none":
-        await client.pause(pause)
+    directory = buffer_folder(await client.init_weight_transfer_engine({}))
+    await client.start_weight_update(None if pause == "none" else pause)
+    buckets = _Buckets(named_tensors, bucket_bytes, directory)
     try:
-        await client.start_weight_update()
-        with shared_memory_buckets(
-            named_tensors, bucket_bytes=bucket_bytes, directory=directory
-        ) as buckets:
-            while (update_info := await asyncio.to_thread(next, buckets, None)) is not None:
-                await client.update_weights(update_info)
+        while (update_info := await asyncio.to_thread(next, buckets, None)) is not None:
+            await client.update_weights(update_info)
         return await client.finish_weight_update(version)
+    except BaseException:
+        await asyncio.to_thread(buckets.close)  # a bucket being written ends first
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.abandon_weight_update(), _ABANDON_TIMEOUT_S)
+        raise
     finally:
-        if pause != "none":
-            await client.resume()
+        await asyncio.to_thread(buckets.close)
 
 
 def _check_pause(pause: str) -> None:
@@ -205,7 +277,7 @@ def _write_bucket(
     """Write ``bucket``'s tensors into a new file in ``directory``; its ``update_info``."""
     import torch
 
-    fd, path = tempfile.mkstemp(prefix="engine-gateway-weights-", dir=directory)
+    fd, path = tempfile.mkstemp(prefix="bucket-", dir=directory)
     files.append(path)
     names, dtype_names, shapes, offsets = [], [], [], []
     try:

@@ -392,9 +392,11 @@ class InitWeightTransfer(_ClientBase, tag=18):
 
 class StartWeightUpdate(_ClientBase, tag=19):
     """Open a weight update (vLLM's start_weight_update). Generation is held from here to
-    its end; only this session may continue it. Answered by ControlDone."""
+    its end with vLLM's pause mode ``pause`` (nil: "keep"), and the hold ends with the
+    update, whoever ends it; only this session may continue it. Answered by ControlDone."""
 
     call_id: int = 0
+    pause: str | None = None
 
 
 class UpdateWeights(_ClientBase, tag=20):
@@ -415,6 +417,14 @@ class FinishWeightUpdate(_ClientBase, tag=21):
 
 class ShutdownWeightTransfer(_ClientBase, tag=22):
     """vLLM's shutdown_weight_transfer_engine: release the trainer connection."""
+
+    call_id: int = 0
+
+
+class AbandonWeightUpdate(_ClientBase, tag=24):
+    """End this session's open weight update where it stands, as the gateway does when its
+    trainer is gone: layers not finished keep their old weights (WEIGHTS_INCOMPLETE if some
+    took new ones), and the update's hold on generation ends. Answered by ControlDone."""
 
     call_id: int = 0
 
@@ -453,6 +463,7 @@ ClientMessage = (
     | FinishWeightUpdate
     | ShutdownWeightTransfer
     | PrefixQuery
+    | AbandonWeightUpdate
 )
 CONTROL_MESSAGES = (
     Pause,
@@ -471,6 +482,7 @@ CONTROL_MESSAGES = (
     UpdateWeights,
     FinishWeightUpdate,
     ShutdownWeightTransfer,
+    AbandonWeightUpdate,
 )
 WEIGHT_TRANSFER_MESSAGES = (
     InitWeightTransfer,
@@ -478,6 +490,7 @@ WEIGHT_TRANSFER_MESSAGES = (
     UpdateWeights,
     FinishWeightUpdate,
     ShutdownWeightTransfer,
+    AbandonWeightUpdate,
 )
 
 # ---------------------------------------------------------------- gateway -> client

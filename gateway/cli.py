@@ -36,6 +36,7 @@ from .preflight import (
 from .routing import ROUTING_POLICIES, RoutingConfig
 from .serve import EXIT_START_FAILED, gateway_version, run_gateway
 from .sessions import GatewayLimits
+from .weight_buffers import DEFAULT_ROOT as DEFAULT_WEIGHT_BUFFER_ROOT
 
 __all__ = ["main", "build_parser", "EXIT_USAGE", "EXIT_START_FAILED"]
 
@@ -249,6 +250,14 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         metavar="SECONDS",
         help="end an open weight update (StartWeightUpdate) when no call continued it for"
         " this long; one whose session ended is ended at once (generation is held meanwhile)",
+    )
+    g.add_argument(
+        "--weight-buffer-dir",
+        default=DEFAULT_WEIGHT_BUFFER_ROOT,
+        metavar="DIR",
+        help="where the cpu weight-transfer backend's private buffer folder is made at"
+        " InitWeightTransfer (a tmpfs: the trainer writes tensors there; clients never name"
+        " a folder)",
     )
     g.add_argument(
         "--routing",

@@ -14,6 +14,7 @@ from typing import Any
 
 from codec import (
     CONTROL_MESSAGES,
+    AbandonWeightUpdate,
     ControlDone,
     FinishWeightUpdate,
     GetStats,
@@ -112,12 +113,12 @@ async def _engine_call(engine: Any, table: SessionTable, call: Any) -> ServerMes
             gateway.update(await engine.encoder_cache_counts())
             return StatsReply(call_id, engine.engine_stats(), gateway)
         case InitWeightTransfer(init_info=init_info):
-            await engine.init_weight_transfer(init_info)
-            return ControlDone(call_id, "init_weight_transfer")
-        case StartWeightUpdate():
+            result = await engine.init_weight_transfer(init_info)
+            return ControlDone(call_id, "init_weight_transfer", result)
+        case StartWeightUpdate(pause=mode):
             # Generation is held while layers wait for their tensors; a client's own pause
             # stays its own (it resumes), the gateway's hold ends with the update.
-            await engine.start_weight_update(hold=not table.paused)
+            await engine.start_weight_update(hold=not table.paused, mode=mode or "keep")
             return ControlDone(call_id, "start_weight_update")
         case UpdateWeights(update_info=update_info):
             await engine.update_weights(update_info)
@@ -125,6 +126,9 @@ async def _engine_call(engine: Any, table: SessionTable, call: Any) -> ServerMes
         case FinishWeightUpdate(version=version):
             result = await engine.finish_weight_update(version)
             return ControlDone(call_id, "finish_weight_update", result)
+        case AbandonWeightUpdate():
+            await engine.abandon_weight_update("its trainer abandoned it (AbandonWeightUpdate)")
+            return ControlDone(call_id, "abandon_weight_update")
         case ShutdownWeightTransfer():
             await engine.shutdown_weight_transfer()
             return ControlDone(call_id, "shutdown_weight_transfer")

@@ -184,11 +184,12 @@ class EngineControls:
     async def list_loras(self) -> list[str]:
         raise self._unsupported("list_loras")
 
-    async def init_weight_transfer(self, init_info: dict) -> None:
+    async def init_weight_transfer(self, init_info: dict) -> dict | None:
+        """vLLM's init_weight_transfer_engine; the backend's result for the client."""
         raise self._unsupported("weight transfer")
 
-    async def start_weight_update(self, hold: bool) -> None:
-        """Open a weight update; ``hold``: pause generation until it ends."""
+    async def start_weight_update(self, hold: bool, mode: str = "keep") -> None:
+        """Open a weight update; ``hold``: pause generation (vLLM's ``mode``) until it ends."""
         raise self._unsupported("weight transfer")
 
     async def update_weights(self, update_info: dict | list) -> None:

@@ -21,6 +21,7 @@ from .preflight import UsageError
 from .routing import RoutingConfig
 from .sessions import GatewayLimits
 from .stop_signals import stoppable_start
+from .weight_buffers import WeightBufferFolder
 
 __all__ = ["engines_dead_reason", "gateway_version", "limits_from_args", "run_gateway"]
 
@@ -123,6 +124,7 @@ async def run_gateway(
                     client_config=client_config,
                     routing=RoutingConfig.from_args(args),
                 )
+            engine.weight_buffers = WeightBufferFolder(args.weight_buffer_dir)
         except LoraModuleRefused as exc:  # the engine stopped again: a bad command line
             raise UsageError("--lora-module", str(exc)) from None
         except Exception as exc:

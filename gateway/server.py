@@ -339,6 +339,7 @@ class Gateway:
                 # This process did not run (host paused, CPU-throttled, loop held): the
                 # clients' frames wait unread in the socket, their silence is ours.
                 table.forgive(paused, now)
+                self.weight_updates.forgive(paused)
                 if paused >= _PAUSE_LOGGED_S:
                     logger.warning(
                         "the gateway did not run for %.1fs (host paused or CPU-throttled?);"
@@ -455,8 +456,13 @@ class Gateway:
         updates = self.weight_updates
         try:
             async with self._engine_state_lock:
-                if updates.open is None:
+                # Asked again under the lock: a call that ran meanwhile may have ended the
+                # update or continued it.
+                updates.abandoning = False
+                reason = updates.abandon_reason(time.monotonic(), self.table.has_session)
+                if reason is None:
                     return
+                updates.abandoning = True
                 logger.warning("ending the open weight update: %s", reason)
                 try:
                     await self.engine.abandon_weight_update(reason)
@@ -466,8 +472,10 @@ class Gateway:
                     self._on_engine_dead(exc.message)
                 except Exception:
                     logger.exception("ending the open weight update failed")
+                    await self.engine.release_weight_hold()  # generation is not left held
+                updates.abandoned()
         finally:
-            updates.abandoned()
+            updates.abandoning = False
 
     async def _submit(self, prepared: Sequence) -> None:
         """Submit to the engine; a request that fails to submit fails alone."""

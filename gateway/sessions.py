@@ -44,6 +44,7 @@ from codec import (
     ErrorCode,
     Finished,
     FinishReason,
+    FinishWeightUpdate,
     Generate,
     GetHealth,
     GetModelInfo,
@@ -68,6 +69,7 @@ from codec import (
     RequestTimings,
     ServerMessage,
     SetWeightVersion,
+    StartWeightUpdate,
     WeightVersionSpan,
     prompt_too_long,
 )
@@ -403,7 +405,9 @@ class SessionTable:
             return Effects(replies=[(client_id, error)])
         effects = Effects()
         # ``paused`` changes when the engine call succeeds (control.control_reply).
-        if isinstance(msg, Pause) and msg.mode == "abort":
+        if (isinstance(msg, Pause) and msg.mode == "abort") or (
+            isinstance(msg, StartWeightUpdate) and msg.pause == "abort" and not self.paused
+        ):
             self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
         effects.control.append((client_id, msg))
         return effects
@@ -1206,7 +1210,10 @@ def _control_problem(msg: ClientMessage) -> str | None:
     """What is wrong with a control call's fields (INVALID_MESSAGE), or None."""
     if isinstance(msg, Pause) and msg.mode not in ("abort", "wait", "keep"):
         return f"Pause.mode must be 'abort', 'wait' or 'keep', got {msg.mode!r}"
-    version = msg.version if isinstance(msg, (ReloadWeights, SetWeightVersion)) else None
+    if isinstance(msg, StartWeightUpdate) and msg.pause not in (None, "abort", "wait", "keep"):
+        return f"StartWeightUpdate.pause must be 'abort', 'wait', 'keep' or nil, got {msg.pause!r}"
+    versioned = (ReloadWeights, SetWeightVersion, FinishWeightUpdate)
+    version = msg.version if isinstance(msg, versioned) else None
     if version is not None and not 1 <= len(version) <= MAX_WEIGHT_VERSION_CHARS:
         return (
             f"{type(msg).__name__}.version must be 1 to {MAX_WEIGHT_VERSION_CHARS} characters,"

@@ -3,9 +3,10 @@
 Sans-IO: the server asks ``refusal`` before each engine-state control call (under its
 engine-state lock), reports each call's outcome, and asks ``abandon_reason`` on every
 housekeeping tick. Between StartWeightUpdate and its end the engine holds generation, so an
-update belongs to the session that opened it; it ends with FinishWeightUpdate, with a
-failed call, or here: when that session ends (the trainer died or lost its connection) or
-no call came for ``stall_timeout_s``.
+update belongs to the session that opened it; it ends with FinishWeightUpdate or
+AbandonWeightUpdate, with a failed call, or here: when that session ends (the trainer died
+or lost its connection) or no call came for ``stall_timeout_s`` (of the gateway's own
+running time: ``forgive`` takes out a stall of its loop, as sessions' heartbeats do).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from codec import (
+    AbandonWeightUpdate,
     ClientMessage,
     FinishWeightUpdate,
     GetStats,
@@ -25,6 +27,8 @@ from codec import (
 __all__ = ["OpenUpdate", "WeightUpdates"]
 
 DEFAULT_STALL_TIMEOUT_S = 120.0
+# Calls that continue (or end) an open update: only from the session that opened it.
+_CONTINUING = (UpdateWeights, FinishWeightUpdate, AbandonWeightUpdate)
 
 
 @dataclass
@@ -46,7 +50,7 @@ class WeightUpdates:
     def refusal(self, client_id: bytes, call: ClientMessage, now: float) -> str | None:
         """Why ``call`` from ``client_id`` may not run now (INVALID_REQUEST), or None."""
         update = self.open
-        if isinstance(call, (UpdateWeights, FinishWeightUpdate)):
+        if isinstance(call, _CONTINUING):
             if update is None:
                 return f"{type(call).__name__}: no weight update is open (StartWeightUpdate)"
             if update.owner != client_id:
@@ -62,7 +66,7 @@ class WeightUpdates:
         )
 
     def call_began(self, call: ClientMessage, client_id: bytes, now: float) -> None:
-        if self.open is not None and isinstance(call, (UpdateWeights, FinishWeightUpdate)):
+        if self.open is not None and isinstance(call, _CONTINUING):
             self.open.calls_in_flight += 1
             self.open.last_call_at = now
 
@@ -73,11 +77,11 @@ class WeightUpdates:
                 self.open = OpenUpdate(client_id, now, now)
             return
         update = self.open
-        if update is None or not isinstance(call, (UpdateWeights, FinishWeightUpdate)):
+        if update is None or not isinstance(call, _CONTINUING):
             return
         update.calls_in_flight -= 1
         update.last_call_at = now
-        if isinstance(call, FinishWeightUpdate) or not ok:
+        if isinstance(call, (FinishWeightUpdate, AbandonWeightUpdate)) or not ok:
             self.open = None  # a failed chunk ends the update (vLLM's rule)
 
     def abandon_reason(self, now: float, has_session: Callable[[bytes], bool]) -> str | None:
@@ -94,6 +98,11 @@ class WeightUpdates:
                 f" {self.stall_timeout_s:.0f}s)"
             )
         return None
+
+    def forgive(self, paused_s: float) -> None:
+        """The gateway itself did not run for ``paused_s``: that is not the trainer's silence."""
+        if self.open is not None:
+            self.open.last_call_at += paused_s
 
     def abandoned(self) -> None:
         self.open = None

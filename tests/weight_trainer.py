@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from client import Client
-    from client.weight_sync import send_weights, shared_memory_buckets
+    from client.weight_sync import buffer_folder, send_weights, shared_memory_buckets
 
     tensors = checkpoint_tensors(args.model_dir)
     with Client(args.address, name="trainer", heartbeat_interval_s=0.5) as client:
@@ -42,9 +42,10 @@ def main() -> None:
             done = send_weights(client, tensors, version=args.version, pause=args.pause)
             print("FINISHED", done.result, flush=True)
             return
-        client.init_weight_transfer_engine({})
+        directory = buffer_folder(client.init_weight_transfer_engine({}))
+        print("FOLDER", directory, flush=True)
         client.start_weight_update()
-        with shared_memory_buckets(tensors, bucket_bytes=1) as buckets:
+        with shared_memory_buckets(tensors, bucket_bytes=1, directory=directory) as buckets:
             for sent, update_info in enumerate(buckets, start=1):
                 client.update_weights(update_info)
                 if sent == args.die_after:

@@ -1,22 +1,25 @@
 """The ``cpu`` weight-transfer backend (registered by the plugin): a trainer on the engine's
-host writes tensors into a shared-memory file; each worker maps it and loads the tensors
-through vLLM's layerwise reload, with no copy between the mapping and ``load_weights``.
+host writes tensors into files in a folder the gateway made for it; each worker copies the
+tensors a chunk names out of the file before the chunk is answered, and loads the copies
+through vLLM's layerwise reload.
 
-Wire maps (PROTOCOL.md §7.14): ``init_info`` ``{"directory": str}`` (optional; default
-``/dev/shm``: buffers must lie in it). ``update_info`` ``{"buffer": path, "names": [str],
-"dtype_names": [str], "shapes": [[int]], "offsets": [int]}``: tensor i is
-``shapes[i]`` elements of ``dtype_names[i]`` (torch names), little-endian, C order, at byte
-``offsets[i]`` of the file (aligned to the element size). Every name, dtype and shape is
-checked against the served checkpoint before any tensor is read: a wrong one is refused and
-nothing moves. Runs in vLLM's worker processes.
+Wire maps (PROTOCOL.md §7.14): ``init_info`` ``{"directory": str}``, set by the gateway
+(never by a client): a folder it created for this trainer, private (mode 0700) and owned by
+the engine's user. ``update_info`` ``{"buffer": path, "names": [str], "dtype_names": [str],
+"shapes": [[int]], "offsets": [int]}``: tensor i is ``shapes[i]`` elements of
+``dtype_names[i]`` (torch names), little-endian, C order, at byte ``offsets[i]`` of the
+file (aligned to the element size). The file must be a regular file directly in that
+folder, owned by the engine's user, with one link; it is opened without following links,
+relative to the folder opened at init, and checked on the open descriptor (no path is
+looked at twice). Nothing of it is kept once the chunk is answered: the trainer may delete,
+truncate or rewrite it then. Runs in vLLM's worker processes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import mmap
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,17 +29,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from .weight_updates import REFUSED, update_plan
+from .weight_updates import REFUSED
 
-__all__ = ["CpuInitInfo", "CpuUpdateInfo", "CpuWeightTransferEngine"]
-
-DEFAULT_DIRECTORY = "/dev/shm"
-_FLOATING = ("float64", "float32", "float16", "bfloat16")
+__all__ = ["CpuInitInfo", "CpuUpdateInfo", "CpuWeightTransferEngine", "check_private_folder"]
 
 
 @dataclass
 class CpuInitInfo(WeightTransferInitInfo):
-    directory: str = DEFAULT_DIRECTORY
+    directory: str = ""
 
 
 @dataclass
@@ -65,8 +65,8 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.directory = os.path.realpath(DEFAULT_DIRECTORY)
-        self._mappings: list[mmap.mmap] = []  # views into them wait in unfinished layers
+        self.directory = ""
+        self._folder_fd: int | None = None  # the folder, opened once at init
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> CpuInitInfo:
         try:
@@ -83,10 +83,9 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
             raise ValueError(f"{REFUSED}: update_info for the cpu backend: {exc}") from None
 
     def init_transfer_engine(self, init_info: CpuInitInfo) -> None:
-        directory = os.path.realpath(init_info.directory)
-        if not os.path.isdir(directory):
-            raise ValueError(f"{REFUSED}: {init_info.directory!r} is not a folder here")
-        self.directory = directory
+        folder_fd = check_private_folder(init_info.directory)
+        self._close_folder()
+        self.directory, self._folder_fd = init_info.directory, folder_fd
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -96,59 +95,78 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        try:
-            finalize_layerwise_reload(self.model, self.model_config)
-        finally:
-            self.release_update()
+        finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which CPU-only torch
-        # lacks; loading from a mapping is synchronous.
+        # lacks; loading from copies is synchronous.
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: CpuUpdateInfo) -> None:
-        import torch
-
-        tensors = self._check(update_info)
-        with open(update_info.buffer, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            needed = max((offset + nbytes for _, _, _, offset, nbytes in tensors), default=0)
-            if size < needed:
-                raise ValueError(
-                    f"{REFUSED}: {update_info.buffer!r} holds {size} bytes; the tensors"
-                    f" named need {needed}"
-                )
-            if size == 0:
-                return
-            # A private mapping: writable for torch.frombuffer, never written back.
-            mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY)
-        self._mappings.append(mapping)
-        raw = torch.frombuffer(mapping, dtype=torch.uint8)
-
-        def named_tensors() -> Any:
-            for name, dtype, shape, offset, nbytes in tensors:
-                yield name, raw[offset : offset + nbytes].view(dtype).view(shape)
-
+        tensors = self._read(update_info, self._check(update_info))
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
         )
 
         with disable_mtp_completeness_check():
-            self.model.load_weights(named_tensors())
+            self.model.load_weights(iter(tensors))
 
-    def _check(self, info: CpuUpdateInfo) -> list[tuple[str, Any, list[int], int, int]]:
-        """Each tensor's (name, dtype, shape, offset, bytes), once all are known good:
-        the buffer is a file in the directory, and each name, dtype, shape and offset fits
-        the served checkpoint. Raises ValueError naming the first that does not."""
+    def _read(
+        self, info: CpuUpdateInfo, tensors: list[tuple[str, Any, list[int], int, int]]
+    ) -> list[tuple[str, Any]]:
+        """Each tensor copied out of the buffer file into memory of its own: later changes
+        to the file (rewritten, truncated, deleted) cannot reach the model or the worker."""
         import torch
 
-        path = os.path.realpath(info.buffer)
-        if os.path.dirname(path) != self.directory or not os.path.isfile(path):
+        if self._folder_fd is None:
+            raise ValueError(f"{REFUSED}: no InitWeightTransfer made a folder for the buffers")
+        name = os.path.basename(info.buffer)
+        if os.path.normpath(os.path.dirname(info.buffer)) != os.path.normpath(
+            self.directory
+        ) or name in ("", ".", ".."):
             raise ValueError(
                 f"{REFUSED}: buffer {info.buffer!r} is not a file in {self.directory!r}"
-                " (init_info.directory)"
+                " (the folder InitWeightTransfer answered with)"
             )
-        plan = update_plan(self._default_model, self.vllm_config, compute=False)
+        try:
+            fd = os.open(
+                name,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                dir_fd=self._folder_fd,
+            )
+        except OSError as exc:
+            raise ValueError(f"{REFUSED}: buffer {info.buffer!r}: {exc.strerror}") from None
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                raise ValueError(f"{REFUSED}: buffer {info.buffer!r} is not a regular file")
+            if found.st_uid != os.geteuid() or found.st_nlink != 1:
+                raise ValueError(
+                    f"{REFUSED}: buffer {info.buffer!r} is not a file the trainer made there"
+                    " (owned by the engine's user, one link)"
+                )
+            needed = max((offset + nbytes for *_, offset, nbytes in tensors), default=0)
+            if found.st_size < needed:
+                raise ValueError(
+                    f"{REFUSED}: {info.buffer!r} holds {found.st_size} bytes; the tensors"
+                    f" named need {needed}"
+                )
+            loaded = []
+            for tensor_name, dtype, shape, offset, nbytes in tensors:
+                data = torch.empty(nbytes, dtype=torch.uint8)
+                if nbytes:
+                    _read_exactly(fd, data.numpy(), offset, info.buffer)
+                loaded.append((tensor_name, data.view(dtype).view(shape)))
+            return loaded
+        finally:
+            os.close(fd)
+
+    def _check(self, info: CpuUpdateInfo) -> list[tuple[str, Any, list[int], int, int]]:
+        """Each tensor's (name, dtype, shape, offset, bytes): a known dtype, an aligned
+        offset (names, shapes and dtypes against the checkpoint: ``check_chunk``, before).
+        Raises ValueError naming the first that does not fit."""
+        import torch
+
         checked = []
         for name, dtype_name, shape, offset in zip(
             info.names, info.dtype_names, info.shapes, info.offsets, strict=True
@@ -160,24 +178,6 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
                 raise ValueError(
                     f"{REFUSED}: tensor {name!r}: shape {shape!r} is not a list of sizes"
                 )
-            if plan is not None:
-                if name not in plan.shapes:
-                    raise ValueError(
-                        f"{REFUSED}: tensor {name!r} is not in the served model's checkpoint"
-                    )
-                want_shape, want_dtype = plan.shapes[name]
-                if list(want_shape) != shape:
-                    raise ValueError(
-                        f"{REFUSED}: tensor {name!r} has shape {shape}; the served model"
-                        f" takes {list(want_shape)}"
-                    )
-                if dtype != want_dtype and not (
-                    str(dtype_name) in _FLOATING and str(want_dtype)[6:] in _FLOATING
-                ):
-                    raise ValueError(
-                        f"{REFUSED}: tensor {name!r} has dtype {dtype_name}; the served model"
-                        f" takes {str(want_dtype)[6:]}"
-                    )
             itemsize = torch.empty((), dtype=dtype).element_size()
             if not isinstance(offset, int) or offset < 0 or offset % itemsize:
                 raise ValueError(
@@ -188,12 +188,41 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         return checked
 
     def release_update(self) -> None:
-        """Let go of this update's mappings (their tensors now live in the model)."""
-        mappings, self._mappings = self._mappings, []
-        for mapping in mappings:
-            # A view still alive somewhere: the GC unmaps it later.
-            with contextlib.suppress(BufferError):
-                mapping.close()
+        """Nothing of an update is held here (chunks are copied); kept for the guard."""
+
+    def _close_folder(self) -> None:
+        if self._folder_fd is not None:
+            os.close(self._folder_fd)
+            self._folder_fd = None
 
     def shutdown(self) -> None:
-        self.release_update()
+        self._close_folder()
+
+
+def check_private_folder(directory: str) -> int:
+    """Open ``directory`` (an absolute path, no link at its end) and check on the open
+    descriptor that it is a folder of this process's user that nobody else may enter
+    (mode 0700): the gateway made it. Its descriptor; ValueError saying what is wrong."""
+    if not isinstance(directory, str) or not os.path.isabs(directory):
+        raise ValueError(f"{REFUSED}: init_info.directory {directory!r} is not an absolute path")
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{REFUSED}: folder {directory!r}: {exc.strerror}") from None
+    found = os.fstat(fd)
+    if found.st_uid != os.geteuid() or found.st_mode & 0o077:
+        os.close(fd)
+        raise ValueError(
+            f"{REFUSED}: folder {directory!r} is not private to the engine's user (mode 0700)"
+        )
+    return fd
+
+
+def _read_exactly(fd: int, into: Any, offset: int, path: str) -> None:
+    view = memoryview(into).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise ValueError(f"{REFUSED}: {path!r} ended early (changed while it was read)")
+        done += got

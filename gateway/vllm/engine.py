@@ -79,6 +79,23 @@ async def _files_call(operation: str, call: Awaitable[Any], engine_pids: Iterabl
         raise RequestRejected(f"{operation} failed: {text}") from exc
 
 
+def _every_layer_reloaded(results: Any) -> bool:
+    """Whether every worker's reload (the plugin's result, perhaps nested per engine) gave
+    new weights to every layer a complete checkpoint fills; a worker that could not tell
+    (no plan of the served checkpoint) counts as whole, as before counts existed."""
+    states = []
+    pending = [results]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            states.append(item)
+    return bool(states) and all(
+        s.get("layers", 0) == 0 or s.get("layers_updated", 0) >= s["layers"] for s in states
+    )
+
+
 class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
     """A vLLM EngineCore in its own process, driven through AsyncMPClient."""
 
@@ -350,12 +367,14 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         (cached KV came from the old weights) and the new version, if given. Requests
         admitted from its start on never reuse KV of other weights (``_cache_salt``)."""
         with self._changing_weights():
-            await _files_call(
+            results = await _files_call(
                 "ReloadWeights",
                 self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path}),
                 self._engine_pids,
             )
-            self.weights_incomplete = None  # a whole checkpoint: every layer has it
+            if self.weights_incomplete is not None and _every_layer_reloaded(results):
+                logger.info("a whole checkpoint ended the mixed-weights state")
+                self.weights_incomplete = None
             reset = await self.reset_prefix_cache(False)
             if version is not None:
                 await self._set_version(version)
@@ -610,6 +629,8 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             if self._encoder_poll is not None:
                 self._encoder_poll.cancel()
             await self._stop_routing()
+            if self.weight_buffers is not None:
+                self.weight_buffers.remove()
             self._client.shutdown()
             death_report(self._engine_pids, remove=True)  # if one was written
 

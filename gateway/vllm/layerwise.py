@@ -13,7 +13,13 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["abandon_reload", "checkpoint_shapes", "dry_run_load", "layer_processing"]
+__all__ = [
+    "abandon_reload",
+    "checkpoint_shapes",
+    "dry_run_layers",
+    "dry_run_load",
+    "layer_processing",
+]
 
 
 # safetensors' dtype names (the header's "dtype"), for the meta tensors of a dry run.
@@ -72,14 +78,37 @@ def dry_run_load(model: Any, shapes: dict[str, tuple[list[int], Any]]) -> dict[s
     per-layer processing held back, then every layer put back as it was. Returns how many
     elements each layer (by module name) would receive. Raises ValueError naming the tensor
     the model refused (no place for it, or another shape)."""
+    return {name: elements for name, (elements, _) in dry_run_layers(model, shapes).items()}
+
+
+def dry_run_layers(
+    model: Any, shapes: dict[str, tuple[list[int], Any]]
+) -> dict[str, tuple[int, frozenset[str]]]:
+    """``dry_run_load``, also telling which of the checkpoint's tensors each layer takes:
+    module name -> (elements, tensor names)."""
     import torch
     from vllm.model_executor.model_loader.reload import layerwise
 
     current: tuple[str, list[int]] = ("", [])
+    feeds: dict[int, set[str]] = {}  # id(layer) -> names of the tensors it received
+    counted: dict[int, int] = {}  # id(layer) -> elements seen at the last look
+
+    def attribute(name: str) -> None:
+        """Give ``name`` to every layer whose element count moved since the last look."""
+        for module in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is None or not info.can_load():
+                continue
+            key = id(module)
+            if info.load_numel != counted.get(key, 0):
+                counted[key] = info.load_numel
+                feeds.setdefault(key, set()).add(name)
 
     def meta_tensors() -> Iterator[tuple[str, Any]]:
         nonlocal current
         for name, (shape, dtype) in shapes.items():
+            if current[0]:
+                attribute(current[0])  # the previous tensor is loaded by now
             current = (name, shape)
             yield name, torch.empty(shape, dtype=dtype, device="meta")
 
@@ -87,6 +116,8 @@ def dry_run_load(model: Any, shapes: dict[str, tuple[list[int], Any]]) -> dict[s
         layerwise.initialize_layerwise_reload(model)
         try:
             model.load_weights(meta_tensors())
+            if current[0]:
+                attribute(current[0])
         except (ValueError, KeyError, AssertionError, IndexError) as exc:
             name, shape = current
             why = repr(exc)  # vLLM may list every parameter of the model: cut it short
@@ -94,7 +125,7 @@ def dry_run_load(model: Any, shapes: dict[str, tuple[list[int], Any]]) -> dict[s
             raise ValueError(f"tensor {name!r} of shape {shape}: {why}") from None
         else:
             return {
-                module_name: info.load_numel
+                module_name: (info.load_numel, frozenset(feeds.get(id(layer), ())))
                 for module_name, layer in model.named_modules()
                 if (info := layerwise.LAYERWISE_INFO.get(layer)) is not None
                 and info.can_load()

@@ -29,7 +29,7 @@ from ..process_exit import describe_process_exit
 from ..stop_signals import ignore_terminal_interrupt
 from .deaths import write_death_report
 from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
-from .weight_updates import guard_weight_updates
+from .weight_updates import guard_weight_updates, update_plan
 
 logger = logging.getLogger(__name__)
 
@@ -262,16 +262,19 @@ def _reload_weights_safely() -> None:
         weights_iterator: Any = None,
         weights_path: str | None = None,
         is_checkpoint_format: bool = True,
-    ) -> None:
+    ) -> dict[str, int] | None:
+        """Result: ``{"layers_updated", "layers"}`` (those a complete checkpoint fills;
+        0 where the served checkpoint has no plan), so that a partial checkpoint is known."""
         if weights_iterator is not None or not is_checkpoint_format:  # not from disk
             reload(self, weights_iterator, weights_path, is_checkpoint_format)
-            return
+            return None
         from vllm.config import set_current_vllm_config
 
         model = self.model_runner.get_model()
         model_config = self.vllm_config.model_config
         path = model_config.model if weights_path is None else weights_path
         with set_current_vllm_config(self.vllm_config):
+            plan = update_plan(model, self.vllm_config)  # the served checkpoint's, cached
             _check_reload(model, model_config, self.vllm_config.load_config, path)
         source = (model_config.model, model_config.model_weights, model_config.revision)
         finished = 0
@@ -295,6 +298,7 @@ def _reload_weights_safely() -> None:
                 if finished
                 else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
             ) from exc
+        return {"layers_updated": finished, "layers": len(plan.layer_elements) if plan else 0}
 
     Worker.reload_weights = reload_weights
     Worker._engine_gateway_plugin = True

@@ -15,7 +15,8 @@ from typing import Any
 
 from codec import ErrorCode
 
-from ..errors import RequestRejected, WeightsIncomplete
+from ..errors import EngineDead, RequestRejected, WeightsIncomplete
+from ..weight_buffers import WeightBufferFolder
 from .failures import engine_death_named, engine_failure, vllm_failure_text
 from .weight_updates import REFUSED
 
@@ -33,21 +34,47 @@ class WeightTransferControls:
     _weights_epoch: int
     weights_incomplete: str | None = None  # why generation is refused, after a failure
     _holding_generation = False  # the gateway paused the scheduler for the open update
+    weight_buffers: WeightBufferFolder | None = None  # the cpu backend's (serve sets root)
 
-    async def init_weight_transfer(self, init_info: dict) -> None:
+    async def init_weight_transfer(self, init_info: dict) -> dict[str, Any] | None:
+        """vLLM's init on every worker. The ``cpu`` backend's folder is the gateway's own
+        (made here, private): a client may not name one. Result: ``{"directory": path}``
+        for ``cpu``, else None."""
         self._require_transfer()
-        await self._weight_call("init_weight_transfer_engine", {"init_info": init_info})
+        if not isinstance(init_info, dict):
+            raise RequestRejected("init_info must be a map")
+        if self._transfer_backend() != "cpu":
+            await self._checked_weight_call("init_weight_transfer_engine", {"init_info": init_info})
+            return None
+        if init_info:
+            raise RequestRejected(
+                f"init_info for the cpu backend takes no keys (got {sorted(init_info)}): the"
+                " gateway makes the buffer folder and answers with it (result.directory)"
+            )
+        if self.weight_buffers is None:
+            self.weight_buffers = WeightBufferFolder()
+        try:
+            directory = self.weight_buffers.make()
+        except (OSError, ValueError) as exc:
+            raise RequestRejected(f"no folder for weight buffers: {exc}") from None
+        await self._checked_weight_call(
+            "init_weight_transfer_engine", {"init_info": {"directory": directory}}
+        )
+        return {"directory": directory}
 
     async def shutdown_weight_transfer(self) -> None:
         self._require_transfer()
         await self._weight_call("shutdown_weight_transfer_engine")
+        if self.weight_buffers is not None:
+            self.weight_buffers.remove()
 
-    async def start_weight_update(self, hold: bool) -> None:
-        """Open an update on every worker; ``hold``: pause generation (keep) until it ends,
-        since layers wait on the meta device meanwhile."""
+    async def start_weight_update(self, hold: bool, mode: str = "keep") -> None:
+        """Open an update on every worker; ``hold``: pause generation (vLLM's ``mode``:
+        keep, wait or abort) until the update ends, whoever ends it, since layers wait on
+        the meta device meanwhile."""
         self._require_transfer()
         if hold:
-            await self.pause("keep", False)  # type: ignore[attr-defined]
+            await self.pause(mode, False)  # type: ignore[attr-defined]
             self._holding_generation = True
         self._weights_epoch += 1  # requests admitted from now on: a key of their own
         try:
@@ -69,9 +96,17 @@ class WeightTransferControls:
             await self._weight_call("finish_weight_update")
         except Exception as exc:
             await self._update_failed(exc)
+        self._empty_buffers()
         states = await self._worker_states("engine_gateway_weight_update_state")
         updated = min((s["layers_updated"] for s in states), default=0)
         layers = min((s["layers"] for s in states), default=0)
+        if len({s.get("tensors_digest") for s in states}) > 1:
+            # Ranks given different chunks now serve different weights under one version.
+            counts = sorted({s.get("tensors_received", 0) for s in states})
+            self._after_failure(
+                f"the workers received different tensors (counts {counts})",
+                states,
+            )
         if self.weights_incomplete is not None and updated >= layers > 0:
             logger.info("a complete weight update ended the mixed-weights state")
             self.weights_incomplete = None
@@ -90,9 +125,15 @@ class WeightTransferControls:
         }
 
     async def abandon_weight_update(self, reason: str) -> None:
-        states = await self._worker_states("engine_gateway_abandon_weight_update")
-        self._after_failure(reason, states)
-        await self.release_weight_hold()
+        """End the open update where it stands (its trainer is gone, stalled, or asked);
+        the hold on generation ends with it, whatever the workers said."""
+        try:
+            self._empty_buffers()
+            states = await self._worker_states("engine_gateway_abandon_weight_update")
+            self._after_failure(reason, states)
+        finally:
+            if self.weights_incomplete is None:  # else the server ends requests first
+                await self.release_weight_hold()
 
     async def release_weight_hold(self) -> None:
         if self._holding_generation:
@@ -100,6 +141,26 @@ class WeightTransferControls:
             await self.resume()  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------ internals
+
+    def _transfer_backend(self) -> str:
+        return str(getattr(self._vllm_config.weight_transfer_config, "backend", ""))
+
+    def _empty_buffers(self) -> None:
+        """The update ended: files a trainer left in the buffer folder go (the workers
+        copied what they loaded)."""
+        if self.weight_buffers is not None and (removed := self.weight_buffers.empty()):
+            logger.info("removed %d weight buffer file(s) left by the trainer", removed)
+
+    async def _checked_weight_call(self, method: str, kwargs: dict[str, Any]) -> None:
+        """``_weight_call`` whose refusal by vLLM (a bad map) is the caller's mistake."""
+        try:
+            await self._weight_call(method, kwargs)
+        except EngineDead:
+            raise
+        except Exception as exc:
+            text = vllm_failure_text(exc)
+            logger.warning("%s refused: %s", method, text)
+            raise RequestRejected(f"{method} failed: {text}") from None
 
     def _require_transfer(self) -> None:
         if self._vllm_config.weight_transfer_config is None:
@@ -114,9 +175,12 @@ class WeightTransferControls:
         client gets: WeightsIncomplete if layers took new weights, else the refusal."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if isinstance(exc, EngineDead):
+            raise exc
         if isinstance(exc, EngineDeadError):
             raise engine_failure(exc, self._engine_pids) from exc
         text = vllm_failure_text(exc)
+        self._empty_buffers()
         states = await self._worker_states("engine_gateway_abandon_weight_update")
         self._after_failure(text, states)
         await self.release_weight_hold()

@@ -9,7 +9,12 @@ layers it had not finished on the meta device (the next step kills the engine), 
 for the rest. Here, on every backend:
 
 - a failed start or chunk puts the old tensors back into each unfinished layer;
-- finish refuses, and undoes the same way, when a layer got part of its tensors;
+- a chunk is checked before anything in it loads: every tensor a name of the served
+  checkpoint, of its shape and dtype kind, and sent once in the update (vLLM counts a
+  layer's elements, so a tensor sent twice would stand in for one never sent, and the
+  layer would be built with ``torch.empty`` for it);
+- finish refuses, and undoes the same way, when a layer got part of its tensors (by name:
+  every tensor the checkpoint gives that layer);
 - ``engine_gateway_weight_update_state`` tells how many layers took new weights in this
   update (0 after a failure: the old weights serve on, untouched), so the gateway can
   refuse generation while the model mixes two sets of weights;
@@ -23,15 +28,16 @@ how many elements each layer takes) comes from a dry run of the model's own
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
+from .layerwise import abandon_reload, checkpoint_shapes, dry_run_layers, layer_processing
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UpdatePlan", "guard_weight_updates", "update_plan"]
+__all__ = ["UpdatePlan", "check_chunk", "guard_weight_updates", "update_plan"]
 
 REFUSED = "weight update refused"  # how a chunk refused before anything moved begins
 
@@ -42,6 +48,7 @@ class UpdatePlan:
 
     shapes: dict[str, tuple[list[int], Any]]  # tensor name -> (shape, torch dtype)
     layer_elements: dict[str, int]  # module name -> elements a complete update gives it
+    layer_tensors: dict[str, frozenset[str]] = field(default_factory=dict)  # its tensors
 
 
 @dataclass
@@ -50,6 +57,7 @@ class _Progress:
 
     layers: dict[int, str] = field(default_factory=dict)  # id -> name: layers taking tensors
     updated: set[int] = field(default_factory=set)
+    received: set[str] = field(default_factory=set)  # tensor names loaded in this update
 
 
 _plans: dict[int, UpdatePlan | None] = {}
@@ -67,12 +75,62 @@ def update_plan(model: Any, vllm_config: Any, *, compute: bool = True) -> Update
             return None
         try:
             shapes = checkpoint_shapes(path, vllm_config.load_config)
-            elements = None if shapes is None else dry_run_load(model, shapes)
+            layers = None if shapes is None else dry_run_layers(model, shapes)
         except Exception:
             logger.warning("no update plan for %s: chunks are checked by vLLM only", path)
-            shapes = elements = None
-        _plans[key] = None if shapes is None else UpdatePlan(shapes, elements or {})
+            shapes = layers = None
+        _plans[key] = (
+            None
+            if shapes is None
+            else UpdatePlan(
+                shapes,
+                {name: elements for name, (elements, _) in (layers or {}).items()},
+                {name: tensors for name, (_, tensors) in (layers or {}).items()},
+            )
+        )
     return _plans[key]
+
+
+_FLOATING = ("float64", "float32", "float16", "bfloat16")
+
+
+def check_chunk(
+    plan: UpdatePlan | None, names: Any, dtype_names: Any, shapes: Any, received: set[str]
+) -> None:
+    """Refuse (ValueError naming the tensor) a chunk that names a tensor twice, one already
+    received in this update, one the served checkpoint lacks, or one of another shape or
+    dtype kind (a floating tensor may come in another floating dtype); before anything in
+    the chunk loads."""
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{REFUSED}: update_info.names must be a list of names")
+    for label, values in (("dtype_names", dtype_names), ("shapes", shapes)):
+        if not isinstance(values, list) or len(values) != len(names):
+            raise ValueError(f"{REFUSED}: update_info.{label} must have one entry per name")
+    seen: set[str] = set()
+    for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
+        if name in seen or name in received:
+            raise ValueError(
+                f"{REFUSED}: tensor {name!r} was already sent in this update (each tensor"
+                " once: a repeat would stand in for another of its layer's tensors)"
+            )
+        seen.add(name)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ValueError(f"{REFUSED}: tensor {name!r}: shape {shape!r} is not a list of sizes")
+        if plan is None:
+            continue
+        if name not in plan.shapes:
+            raise ValueError(f"{REFUSED}: tensor {name!r} is not in the served model's checkpoint")
+        want_shape, want_dtype = plan.shapes[name]
+        if list(want_shape) != shape:
+            raise ValueError(
+                f"{REFUSED}: tensor {name!r} has shape {shape}; the served model takes"
+                f" {list(want_shape)}"
+            )
+        want = str(want_dtype).removeprefix("torch.")
+        if str(dtype_name) != want and not (str(dtype_name) in _FLOATING and want in _FLOATING):
+            raise ValueError(
+                f"{REFUSED}: tensor {name!r} has dtype {dtype_name}; the served model takes {want}"
+            )
 
 
 def guard_weight_updates() -> None:
@@ -106,19 +164,38 @@ def guard_weight_updates() -> None:
         self._engine_gateway_progress.layers = layers
 
     def update_weights(self: Any, update_info: Any) -> None:
+        progress = _progress(self)
+        if getattr(self, "_weight_update_active", False):
+            local = _local_update_info(self, update_info)
+            try:
+                check_chunk(
+                    getattr(self, "_engine_gateway_plan", None),
+                    local.get("names"),
+                    local.get("dtype_names"),
+                    local.get("shapes"),
+                    progress.received,
+                )
+            except ValueError:
+                _end(self, self.model_runner.get_model())  # vLLM's rule: a failed chunk ends it
+                raise
+            names = local["names"]
+        else:
+            names = []  # vLLM refuses it: no update is open
         try:
-            with _counting(_progress(self)):
+            with _counting(progress):
                 update(self, update_info)
         except BaseException:
             # vLLM ended the update, leaving unfinished layers on the meta device.
             abandon_reload(self.model_runner.get_model())
             raise
+        progress.received.update(names)
 
     def finish_weight_update(self: Any) -> None:
         model = self.model_runner.get_model()
         progress = _progress(self)
         if self._weight_update_active:
-            partial = _partial_layers(model, getattr(self, "_engine_gateway_plan", None))
+            plan = getattr(self, "_engine_gateway_plan", None)
+            partial = _unfed_layers(plan, progress.received) or _partial_layers(model, plan)
             if partial:
                 _end(self, model)
                 shown = ", ".join(partial[:5]) + (" ..." if len(partial) > 5 else "")
@@ -132,11 +209,14 @@ def guard_weight_updates() -> None:
     def engine_gateway_weight_update_state(self: Any) -> dict[str, Any]:
         progress = _progress(self)
         missing = [name for i, name in progress.layers.items() if i not in progress.updated]
+        digest = hashlib.blake2b("\n".join(sorted(progress.received)).encode(), digest_size=8)
         return {
             "active": bool(getattr(self, "_weight_update_active", False)),
             "layers_updated": len(progress.updated),
             "layers": len(progress.layers),
             "layers_not_updated": missing[:8],
+            "tensors_received": len(progress.received),
+            "tensors_digest": digest.hexdigest(),  # the same on every worker of a good update
         }
 
     def engine_gateway_abandon_weight_update(self: Any) -> dict[str, Any]:
@@ -157,6 +237,27 @@ def _progress(worker: Any) -> _Progress:
     if progress is None:
         progress = worker._engine_gateway_progress = _Progress()
     return progress
+
+
+def _local_update_info(worker: Any, update_info: Any) -> dict[str, Any]:
+    """This worker's entry of ``update_info`` (vLLM's rule: a list is indexed by
+    ``dp_index * world_size + rank``); {} where there is none to read."""
+    if isinstance(update_info, list):
+        parallel = worker.vllm_config.parallel_config
+        index = parallel.data_parallel_index * parallel.world_size + worker.rank
+        update_info = update_info[index] if 0 <= index < len(update_info) else {}
+    return update_info if isinstance(update_info, dict) else {}
+
+
+def _unfed_layers(plan: UpdatePlan | None, received: set[str]) -> list[str]:
+    """Layers that took some of the tensors the checkpoint gives them but not all (by name)."""
+    if plan is None:
+        return []
+    return [
+        f"{layer} (missing {sorted(tensors - received)[0]!r})"
+        for layer, tensors in plan.layer_tensors.items()
+        if tensors & received and not tensors <= received
+    ]
 
 
 def _end(worker: Any, model: Any) -> None:

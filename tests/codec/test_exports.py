@@ -75,6 +75,7 @@ EXPECTED_CODEC = {
     "UpdateWeights",
     "FinishWeightUpdate",
     "ShutdownWeightTransfer",
+    "AbandonWeightUpdate",
     "PrefixQuery",
     "PrefixReply",
     "ServerMessage",

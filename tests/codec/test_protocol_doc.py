@@ -21,6 +21,7 @@ from codec import (
     Pause,
     PrefixQuery,
     PrefixReply,
+    StartWeightUpdate,
     UpdateWeights,
     decode_client,
     decode_server,
@@ -53,7 +54,7 @@ def _dumps() -> list[tuple[list[bytes], object]]:
 
 
 def test_the_document_has_its_dumps():
-    assert [value[0] for _, value in _dumps()] == [1, 2, 2, 65, 3, 66, 7, 72, 20, 21, 23, 74]
+    assert [value[0] for _, value in _dumps()] == [1, 2, 2, 65, 3, 66, 7, 72, 19, 20, 21, 23, 74]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -66,9 +67,10 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 
 def test_dumps_decode_to_the_described_messages():
     dumps = [frames for frames, _ in _dumps()]
-    hello, generate, images, outputs, abort, error, pause, done, update, finish, query, reply = (
-        dumps
+    hello, generate, images, outputs, abort, error, pause, done, start, update, finish, query = (
+        dumps[:-1]
     )
+    reply = dumps[-1]
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
     g = decode_client(generate)
@@ -110,10 +112,12 @@ def test_dumps_decode_to_the_described_messages():
     (span,) = second.finished.weight_versions
     assert (span.version, span.first_token, span.num_tokens) == ("v1", 0, 12)
     assert second.finished.timings.finished_s == 12.5
+    st = decode_client(start)
+    assert isinstance(st, StartWeightUpdate) and (st.call_id, st.pause) == (7, "wait")
     u = decode_client(update)
     assert isinstance(u, UpdateWeights) and u.call_id == 8
     assert u.update_info == {
-        "buffer": "/dev/shm/w0",
+        "buffer": "/dev/shm/engine-gateway-weights-4242-k3/bucket-0",
         "names": ["lm_head.weight"],
         "dtype_names": ["bfloat16"],
         "shapes": [[512, 128]],

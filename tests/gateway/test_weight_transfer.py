@@ -6,8 +6,12 @@ part-way never leaves a half-updated model serving. Each test puts model A back.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 
 import pytest
 
@@ -103,12 +107,15 @@ async def test_a_trainer_process_sends_model_b_and_the_gateway_serves_it_as_offl
         old = (await client.complete(PROMPT, greedy(4))).weight_versions[0].version
         across = asyncio.ensure_future(collect(client, [3, 3, 3], greedy(200), "x"))
         await until(lambda: tokens_so_far(client, "x") >= 10)
-        # Frozen until the trainer (which takes seconds to start) pauses, updates, resumes.
+        # Frozen while the trainer (which takes seconds to start) updates; this client's own
+        # pause stays its own: the gateway takes no hold of its own, and we resume.
         await client.pause("keep")
         trainer = await asyncio.to_thread(
             run_trainer, small_gateway.addresses[0], models[1], "--version", "policy-b"
         )
         assert trainer.returncode == 0, trainer.stderr[-2000:]
+        assert small_gateway.table.paused  # the trainer did not resume someone else's pause
+        await client.resume()
         assert "'weight_version': 'policy-b'" in trainer.stdout
         assert "'layers_updated': 15, 'layers': 15" in trainer.stdout  # every layer, once
         spanned = await across
@@ -309,3 +316,191 @@ async def test_weight_transfer_is_refused_to_unauthorized_clients_and_without_a_
             await trainer.start_weight_update()
         assert info.value.code is ErrorCode.UNSUPPORTED
         assert "--weight-transfer-config" in info.value.message
+
+
+# ---- issue 51: duplicates, the buffer folder, files changed after a chunk, abandoned updates
+
+
+async def _refused(call, code=ErrorCode.INVALID_REQUEST) -> str:
+    with pytest.raises(RequestFailed) as info:
+        await call
+    assert info.value.code is code, info.value
+    return info.value.message
+
+
+async def _chunk(client, folder: str, named_tensors) -> str:
+    """Write ``named_tensors`` into a new file in ``folder`` and send it as one chunk;
+    the file's path (left in place)."""
+    from client.weight_sync import _write_bucket
+
+    size = sum(-(-t.numel() * t.element_size() // 64) * 64 for _, t in named_tensors)
+    info = _write_bucket(list(named_tensors), size, folder, [])
+    await client.update_weights(info)
+    return info["buffer"]
+
+
+async def test_a_tensor_sent_twice_is_refused_so_no_layer_is_built_from_empty_memory(
+    client, small_gateway, models
+):
+    """vLLM counts a layer's elements: gate_proj twice would stand in for up_proj, and the
+    layer would be built partly from torch.empty. Each repeat (in one chunk, or in a later
+    one) is refused by name before anything of its chunk loads; model A serves on."""
+    tensors = dict(checkpoint_tensors(str(models[1])))
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    folder = (await client.init_weight_transfer_engine({})).result["directory"]
+    for chunks in ([[gate, gate]], [[gate], [gate]]):
+        await client.start_weight_update()
+        for chunk in chunks[:-1]:
+            await _chunk(client, folder, [(n, tensors[n]) for n in chunk])
+        message = await _refused(_chunk(client, folder, [(n, tensors[n]) for n in chunks[-1]]))
+        assert f"tensor {gate!r} was already sent in this update" in message
+        assert small_gateway.weight_updates.open is None  # a refused chunk ends the update
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == client.model_a
+    assert os.listdir(folder) == []  # what the test wrote went with the update's end
+
+
+async def test_only_files_the_trainer_made_in_the_gateways_folder_are_read(client, small_gateway):
+    """No client names a folder; a chunk naming a file outside the gateway's private
+    folder, a link in it (to /etc/passwd), a file with a second link or a path that climbs
+    out is refused by name, and model A serves on."""
+    message = await _refused(client.init_weight_transfer_engine({"directory": "/etc"}))
+    assert "takes no keys" in message and "directory" in message
+    await _refused(client.init_weight_transfer_engine({"no_such_key": 1}))
+    done = await client.init_weight_transfer_engine({})
+    folder = done.result["directory"]
+    assert os.path.dirname(folder) == "/dev/shm"
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    assert (await client.init_weight_transfer_engine({})).result["directory"] == folder
+    elsewhere = tempfile.NamedTemporaryFile(dir="/dev/shm", delete=False)  # noqa: SIM115
+    elsewhere.write(b"\0" * 256)
+    elsewhere.close()
+    chunk = {
+        "names": ["model.norm.weight"],
+        "dtype_names": ["bfloat16"],
+        "shapes": [[128]],
+        "offsets": [0],
+    }
+
+    def link() -> str:
+        os.symlink("/etc/passwd", os.path.join(folder, "link"))
+        return os.path.join(folder, "link")
+
+    def hard_link() -> str:
+        os.link(elsewhere.name, os.path.join(folder, "hard"))
+        return os.path.join(folder, "hard")
+
+    cases = [
+        (lambda: "/etc/passwd", "is not a file in"),
+        (lambda: elsewhere.name, "is not a file in"),
+        (lambda: f"{folder}/../{os.path.basename(elsewhere.name)}", "is not a file in"),
+        (link, "buffer"),  # O_NOFOLLOW: too many levels of links
+        (hard_link, "one link"),
+        (lambda: os.path.join(folder, "missing"), "No such file"),
+    ]
+    try:
+        for make, words in cases:
+            await client.start_weight_update()
+            buffer = make()
+            message = await _refused(client.update_weights({**chunk, "buffer": buffer}))
+            assert words in message and "refused" in message, (buffer, message)
+            assert small_gateway.weight_updates.open is None
+            assert os.listdir(folder) == []  # the update's end removed what was left there
+    finally:
+        os.unlink(elsewhere.name)
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == client.model_a
+
+
+async def test_a_file_rewritten_or_truncated_after_its_chunk_changes_nothing(
+    client, small_gateway, models, offline_b
+):
+    """The workers copy a chunk's bytes before answering it: a trainer that then rewrites
+    the file with NaN and truncates it (the worker used to keep views into a mapping of it:
+    SIGBUS, the engine dead for every client) still gets exactly model B."""
+    tensors = checkpoint_tensors(str(models[1]))
+    gate = "model.layers.0.mlp.gate_proj.weight"  # its layer waits for up_proj meanwhile
+    folder = (await client.init_weight_transfer_engine({})).result["directory"]
+    await client.start_weight_update()
+    path = await _chunk(client, folder, [(n, t) for n, t in tensors if n == gate])
+    size = os.path.getsize(path)
+    with open(path, "r+b") as file:
+        file.write(b"\xff" * size)  # NaN in bfloat16
+    os.truncate(path, 0)
+    await _chunk(client, folder, [(n, t) for n, t in tensors if n != gate])
+    done = await client.finish_weight_update("b-copied")
+    assert done.result["layers_updated"] == done.result["layers"] == 15
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == offline_b[0]
+    assert os.listdir(folder) == []
+
+
+async def test_a_cancelled_transfer_abandons_its_update_and_never_leaves_the_engine_held(
+    client, small_gateway, models
+):
+    """asend_weights cancelled while the next bucket is being made: CancelledError (not
+    'generator already executing'), the update abandoned at once (not at the stall timeout),
+    the gateway's hold released, no bucket file left, model A untouched."""
+    tensors = dict(checkpoint_tensors(str(models[1])))
+    making_next = threading.Event()
+
+    def slow_state_dict():
+        yield "model.layers.0.mlp.gate_proj.weight", tensors["model.layers.0.mlp.gate_proj.weight"]
+        making_next.set()
+        time.sleep(1.5)  # a trainer gathering its next tensor
+        yield "model.layers.0.mlp.up_proj.weight", tensors["model.layers.0.mlp.up_proj.weight"]
+
+    sending = asyncio.ensure_future(send_model_tensors(client, slow_state_dict()))
+    await until(making_next.is_set)
+    await until(lambda: small_gateway.weight_updates.open is not None)
+    sending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sending
+    await until(lambda: small_gateway.weight_updates.open is None, timeout=10)
+    assert not small_gateway.engine._holding_generation and not small_gateway.table.paused
+    folder = small_gateway.engine.weight_buffers.path
+    assert os.listdir(folder) == []
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == client.model_a
+
+
+async def test_a_killed_trainer_without_a_pause_of_its_own_leaves_no_hold_and_no_files(
+    client, small_gateway, models
+):
+    """The default path (the gateway's own hold, no client Pause): the trainer dies after
+    two one-tensor buckets (lm_head and embed_tokens, whole layers); the gateway ends the
+    update when its session ends, lets generation run (WEIGHTS_INCOMPLETE refuses it, as
+    the model mixes weights) and removes the buffer files the trainer left."""
+    trainer = await asyncio.to_thread(
+        run_trainer, small_gateway.addresses[0], models[1], "--die-after", "2"
+    )
+    assert trainer.returncode == -9 and "DYING" in trainer.stdout, trainer.stderr[-2000:]
+    folder = trainer.stdout.split("FOLDER ", 1)[1].split()[0]
+    await until(lambda: small_gateway.weight_updates.open is None, timeout=30)
+    assert not small_gateway.engine._holding_generation and not small_gateway.table.paused
+    assert os.listdir(folder) == []
+    message = await _refused(client.complete(PROMPT, greedy(4)), ErrorCode.WEIGHTS_INCOMPLETE)
+    assert "session that opened the weight update ended" in message
+
+
+async def test_a_partial_reload_does_not_end_the_mixed_weights_state(
+    client, small_gateway, models, tmp_path
+):
+    """After a failure part-way, a ReloadWeights of some tensors leaves generation refused
+    (the model still mixes two sets); a whole checkpoint ends it. A finish naming an empty
+    version is refused before anything runs."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = checkpoint_tensors(str(models[1]))
+    await _refused(
+        send_model_tensors(client, [*tensors[:2], ("model.norm.weight", torch.zeros(3))]),
+        ErrorCode.WEIGHTS_INCOMPLETE,
+    )
+    partial = dict(checkpoint_tensors(str(models[0]))[:2])
+    save_file(partial, str(tmp_path / "model.safetensors"))
+    await client.reload_weights(str(tmp_path))
+    await _refused(client.complete(PROMPT, greedy(4)), ErrorCode.WEIGHTS_INCOMPLETE)
+    await client.reload_weights(str(models[0]))
+    assert small_gateway.engine.weights_incomplete is None
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == client.model_a
+    await client.start_weight_update()
+    await _refused(client.finish_weight_update(""), ErrorCode.INVALID_MESSAGE)
+    await client.abandon_weight_update()
+    assert small_gateway.weight_updates.open is None

@@ -4,6 +4,7 @@ end, and when the gateway ends it itself."""
 from __future__ import annotations
 
 from codec import (
+    AbandonWeightUpdate,
     FinishWeightUpdate,
     GetStats,
     ListLoras,
@@ -78,3 +79,25 @@ def test_the_gateway_ends_an_update_whose_session_ended_or_that_stalled():
     assert updates.abandon_reason(500.0, lambda client: False) is None
     updates.abandoned()
     assert updates.open is None and not updates.abandoning
+
+
+def test_a_successful_finish_or_abandon_closes_the_update_and_only_its_owner_may_abandon():
+    for end in (FinishWeightUpdate(2), AbandonWeightUpdate(2)):
+        updates = opened()
+        assert "another session" in updates.refusal(OTHER, end, 1.0)
+        assert updates.refusal(TRAINER, end, 1.0) is None
+        updates.call_began(end, TRAINER, 1.0)
+        assert updates.open.calls_in_flight == 1
+        updates.call_ended(end, TRAINER, True, 1.5)
+        assert updates.open is None
+    assert "no weight update is open" in updates.refusal(TRAINER, AbandonWeightUpdate(3), 2.0)
+
+
+def test_the_stall_clock_counts_from_the_last_call_and_skips_the_gateways_own_stalls():
+    updates = opened(timeout=10.0)
+    assert updates.abandon_reason(10.0, lambda client: True) is None  # not past it yet
+    assert "no call continued" in updates.abandon_reason(10.01, lambda client: True)
+    updates.forgive(5.0)  # the gateway's loop did not run for 5 s: not the trainer's silence
+    assert updates.abandon_reason(15.0, lambda client: True) is None
+    assert "no call continued" in updates.abandon_reason(15.01, lambda client: True)
+    WeightUpdates().forgive(3.0)  # nothing open: nothing to move

@@ -1,0 +1,95 @@
+"""The folder a trainer writes the ``cpu`` weight-transfer backend's buffer files into.
+
+Clients never name a folder (PROTOCOL.md §7.14): the gateway makes one at
+InitWeightTransfer, under the operator's ``--weight-buffer-dir`` (default ``/dev/shm``),
+private to the gateway's user (mode 0700), named after the gateway's pid, and answers with
+its path. The engine's workers read only regular files directly in it. Files left behind
+(a trainer that crashed) are removed when an update ends; the folder when the trainer
+connection is shut down, when the gateway stops, and, after a gateway that was killed, by
+the next gateway's InitWeightTransfer under the same root (its pid is gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_ROOT", "PREFIX", "WeightBufferFolder"]
+
+DEFAULT_ROOT = "/dev/shm"
+PREFIX = "engine-gateway-weights-"
+
+
+class WeightBufferFolder:
+    """One gateway's buffer folder under ``root``: made on first use, emptied, removed."""
+
+    def __init__(self, root: str = DEFAULT_ROOT):
+        self.root = root
+        self.path: str | None = None
+
+    def make(self) -> str:
+        """The folder's path, made (and stale folders of dead gateways removed) if needed."""
+        if self.path is not None and os.path.isdir(self.path):
+            self.empty()
+            return self.path
+        if not os.path.isdir(self.root):
+            raise ValueError(f"--weight-buffer-dir {self.root!r} is not a folder")
+        self._remove_stale()
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self.root)
+        return self.path  # mkdtemp: mode 0700, owned by this user
+
+    def empty(self) -> int:
+        """Remove every file a trainer left in the folder; how many."""
+        if self.path is None:
+            return 0
+        removed = 0
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.path) as entries:
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
+                    removed += 1
+        return removed
+
+    def remove(self) -> None:
+        """Remove the folder and what is in it."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+    def _remove_stale(self) -> None:
+        """Folders under the root made by gateways (of this user) whose process is gone."""
+        uid = os.geteuid()
+        with contextlib.suppress(OSError), os.scandir(self.root) as entries:
+            for entry in entries:
+                pid = _maker_pid(entry.name)
+                if pid is None or pid == os.getpid() or _alive(pid):
+                    continue
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == uid:
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                        logger.info("removed a dead gateway's weight buffers: %s", entry.path)
+
+
+def _maker_pid(name: str) -> int | None:
+    if not name.startswith(PREFIX):
+        return None
+    pid, _, rest = name[len(PREFIX) :].partition("-")
+    return int(pid) if pid.isdigit() and rest else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,127 @@
+"""The workers' chunk checks, without an engine: every name once per update, names and
+shapes of the served checkpoint, a finish that needs every tensor of a layer it touched,
+and the ``cpu`` backend reading only regular files of the gateway's folder, copied."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gateway.vllm.cpu_transfer import (  # noqa: E402
+    CpuUpdateInfo,
+    CpuWeightTransferEngine,
+    check_private_folder,
+)
+from gateway.vllm.weight_updates import UpdatePlan, _unfed_layers, check_chunk  # noqa: E402
+
+GATE, UP = "mlp.gate_proj.weight", "mlp.up_proj.weight"
+PLAN = UpdatePlan(
+    shapes={
+        GATE: ([4, 2], torch.bfloat16),
+        UP: ([4, 2], torch.bfloat16),
+        "norm": ([2], torch.float32),
+    },
+    layer_elements={"mlp.gate_up_proj": 16, "norm": 2},
+    layer_tensors={"mlp.gate_up_proj": frozenset({GATE, UP}), "norm": frozenset({"norm"})},
+)
+
+
+def test_a_name_is_taken_once_per_update_and_must_fit_the_checkpoint():
+    received: set[str] = set()
+    check_chunk(PLAN, [GATE], ["float32"], [[4, 2]], received)  # another floating dtype
+    with pytest.raises(ValueError, match="already sent in this update"):
+        check_chunk(PLAN, [GATE, GATE], ["bfloat16"] * 2, [[4, 2]] * 2, received)
+    received.add(GATE)
+    with pytest.raises(ValueError, match="already sent in this update"):
+        check_chunk(PLAN, [UP, GATE], ["bfloat16"] * 2, [[4, 2]] * 2, received)
+    check_chunk(None, [UP], ["bfloat16"], [[4, 2]], set())  # no plan: repeats still counted
+    with pytest.raises(ValueError, match="already sent"):
+        check_chunk(None, [UP, UP], ["bfloat16"] * 2, [[4, 2]] * 2, set())
+    for names, dtypes, shapes, words in (
+        (["nope"], ["bfloat16"], [[2]], "not in the served model"),
+        ([UP], ["bfloat16"], [[2, 4]], "has shape"),
+        (["norm"], ["int32"], [[2]], "has dtype int32"),
+        ([UP], ["bfloat16"], [[4, -2]], "not a list of sizes"),
+        ([UP], ["bfloat16"], [], "one entry per name"),
+        ("x", [], [], "list of names"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            check_chunk(PLAN, names, dtypes, shapes, set())
+
+
+def test_finish_needs_every_tensor_of_each_layer_that_took_any():
+    assert _unfed_layers(PLAN, set()) == []
+    assert _unfed_layers(PLAN, {"norm"}) == []
+    assert _unfed_layers(PLAN, {GATE, "norm"}) == [f"mlp.gate_up_proj (missing {UP!r})"]
+    assert _unfed_layers(PLAN, {GATE, UP}) == []
+    assert _unfed_layers(None, {GATE}) == []
+
+
+def _reader(folder: str) -> CpuWeightTransferEngine:
+    engine = object.__new__(CpuWeightTransferEngine)  # the file handling alone
+    engine.directory, engine._folder_fd = folder, check_private_folder(folder)
+    return engine
+
+
+def _info(buffer: str, offsets=(0,), dtype="float32", shape=(4,)) -> CpuUpdateInfo:
+    return CpuUpdateInfo(
+        buffer=buffer,
+        names=["norm"] * len(offsets),
+        dtype_names=[dtype] * len(offsets),
+        shapes=[list(shape)] * len(offsets),
+        offsets=list(offsets),
+    )
+
+
+def test_only_regular_files_of_the_private_folder_are_read_and_copied(tmp_path):
+    folder = tmp_path / "weights"
+    folder.mkdir(mode=0o700)
+    engine = _reader(str(folder))
+    data = torch.arange(8, dtype=torch.float32)
+    (folder / "bucket").write_bytes(data.numpy().tobytes())
+    info = _info(str(folder / "bucket"), offsets=(0, 16))
+    (_, first), (_, second) = engine._read(info, engine._check(info))
+    (folder / "bucket").write_bytes(b"\xff" * 32)  # rewritten after the chunk: no effect
+    os.truncate(folder / "bucket", 0)
+    assert first.tolist() == [0, 1, 2, 3] and second.tolist() == [4, 5, 6, 7]
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"\0" * 16)
+    os.symlink(outside, folder / "link")
+    os.link(outside, folder / "hard")
+    os.mkdir(folder / "sub")
+    (folder / "short").write_bytes(b"\0" * 8)
+    for buffer, words in (
+        (str(outside), "is not a file in"),
+        (f"{folder}/../outside", "is not a file in"),
+        (str(folder / "link"), "symbolic links"),
+        (str(folder / "hard"), "one link"),
+        (str(folder / "sub"), "not a regular file"),
+        (str(folder / "short"), "holds 8 bytes"),
+        (str(folder / "bucket"), "holds 0 bytes"),
+        (str(folder), "is not a file in"),
+    ):
+        info = _info(buffer)
+        with pytest.raises(ValueError, match=words):
+            engine._read(info, engine._check(info))
+    with pytest.raises(ValueError, match="not a multiple of its element size"):
+        engine._check(_info(str(folder / "bucket"), offsets=(2,)))
+
+
+def test_the_folder_must_be_private_and_not_a_link(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with pytest.raises(ValueError, match="not private"):
+        check_private_folder(str(shared))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    os.symlink(private, tmp_path / "alias")
+    with pytest.raises(ValueError, match="folder"):
+        check_private_folder(str(tmp_path / "alias"))
+    with pytest.raises(ValueError, match="absolute"):
+        check_private_folder("relative")
+    os.close(check_private_folder(str(private)))
