@@ -29,7 +29,7 @@ from ..process_exit import describe_process_exit
 from ..stop_signals import ignore_terminal_interrupt
 from .deaths import write_death_report
 from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
-from .weight_updates import guard_weight_updates, update_plan
+from .weight_updates import guard_weight_updates, scrub_kv_cache, update_plan
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +298,7 @@ def _reload_weights_safely() -> None:
                 if finished
                 else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
             ) from exc
+        scrub_kv_cache(self)  # KV that the old weights wrote must not reach the new ones
         return {"layers_updated": finished, "layers": len(plan.layer_elements) if plan else 0}
 
     Worker.reload_weights = reload_weights

@@ -37,7 +37,7 @@ from .layerwise import abandon_reload, checkpoint_shapes, dry_run_layers, layer_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UpdatePlan", "check_chunk", "guard_weight_updates", "update_plan"]
+__all__ = ["UpdatePlan", "check_chunk", "guard_weight_updates", "scrub_kv_cache", "update_plan"]
 
 REFUSED = "weight update refused"  # how a chunk refused before anything moved begins
 
@@ -205,6 +205,7 @@ def guard_weight_updates() -> None:
                 )
             progress.updated.update(id(layer) for layer in _loading_layers(model))
         finish(self)
+        scrub_kv_cache(self)
 
     def engine_gateway_weight_update_state(self: Any) -> dict[str, Any]:
         progress = _progress(self)
@@ -237,6 +238,33 @@ def _progress(worker: Any) -> _Progress:
     if progress is None:
         progress = worker._engine_gateway_progress = _Progress()
     return progress
+
+
+def scrub_kv_cache(worker: Any) -> None:
+    """After new weights: NaN and infinities in the worker's KV cache become 0. Blocks that
+    requests under the old weights wrote stay in the cache's memory; a request under the new
+    weights gets such a block and writes only its own positions, and attention kernels
+    multiply the stale rest by a zero weight: 0 x NaN is NaN. Weights that made NaN (a
+    diverged training step) thus poisoned the next, correct weights' outputs until the
+    blocks were overwritten. Finite stale values are harmless and stay."""
+    import time
+
+    import torch
+
+    started = time.perf_counter()
+    caches = getattr(worker.model_runner, "kv_caches", None) or []
+    pending = list(caches)
+    while pending:
+        cache = pending.pop()
+        if isinstance(cache, (list, tuple)):
+            pending.extend(cache)
+        elif isinstance(cache, torch.Tensor) and cache.dtype in (
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+        ):
+            torch.nan_to_num_(cache, nan=0.0, posinf=0.0, neginf=0.0)
+    logger.debug("KV cache scrubbed of non-finite values in %.3fs", time.perf_counter() - started)
 
 
 def _local_update_info(worker: Any, update_info: Any) -> dict[str, Any]:

@@ -504,3 +504,27 @@ async def test_a_partial_reload_does_not_end_the_mixed_weights_state(
     await _refused(client.finish_weight_update(""), ErrorCode.INVALID_MESSAGE)
     await client.abandon_weight_update()
     assert small_gateway.weight_updates.open is None
+
+
+async def test_kv_written_under_nan_weights_never_reaches_requests_under_the_next_ones(
+    client, small_gateway, models
+):
+    """A trainer may push a diverged step (NaN in a tensor: a complete, valid update). The
+    KV blocks its requests wrote hold NaN; under the next, correct weights no request may
+    read them (prefix hits are keyed by weights, 7.13; a freed block's stale tail must not
+    leak into attention either): outputs equal model A's from the first request on."""
+    import torch
+
+    # NaN before the first attention: every layer's keys and values are NaN.
+    NAN_TENSOR = "model.layers.0.input_layernorm.weight"  # noqa: N806
+    prompts = [[(11 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 37, 130))]
+    expected = [(await client.complete(p, greedy(24))).token_ids for p in prompts]
+    tensors = [
+        (name, torch.full_like(t, float("nan")) if name == NAN_TENSOR else t)
+        for name, t in checkpoint_tensors(str(models[1]))
+    ]
+    await send_model_tensors(client, tensors)
+    for prompt in (*prompts, [7] * 300):
+        await client.complete(prompt, greedy(24))  # fills blocks with NaN KV
+    await send_model(client, models[0])
+    assert [(await client.complete(p, greedy(24))).token_ids for p in prompts] == expected
