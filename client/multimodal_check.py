@@ -66,7 +66,31 @@ def item_problem(model: ModelInfo, prompt: Sequence[int], item: MultimodalItem) 
         problem = _count_problem(name, values.get(name), spec)
         if problem:
             return problem
+        problem = _zero_row_problem(name, tensors[name], spec)
+        if problem:
+            return problem
     return _embedding_problem(schema, prompt, item, values)
+
+
+_CLEAR_SIGN = bytes(b & 0x7F for b in range(256))
+
+
+def _zero_row_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | None:
+    """An all-zero row where the model drops such rows (``nonzero_rows``), read from the
+    bytes: an element is zero when its bits, less a floating sign bit, are all 0. (The
+    gateway looks after the cast to the model's dtype, where a tiny float32 value may
+    become 0 too: send what the model's processor makes.)"""
+    if not spec.nonzero_rows or not tensor.shape or tensor.shape[0] == 0:
+        return None
+    size = TENSOR_DTYPE_SIZES[tensor.dtype]
+    row_bytes = size * math.prod(tensor.shape[1:])
+    data = bytearray(tensor.data)
+    if tensor.dtype in FLOATING_DTYPES:  # little-endian: the sign is the last byte's top bit
+        data[size - 1 :: size] = data[size - 1 :: size].translate(_CLEAR_SIGN)
+    for row in range(tensor.shape[0]):
+        if not any(data[row * row_bytes : (row + 1) * row_bytes]):
+            return f"tensors[{name!r}][{row}] is all zeros; the model drops such rows"
+    return None
 
 
 def _dtype_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | None:
@@ -130,6 +154,12 @@ def _embedding_problem(
     wrong = next((p for p in embed_at if p >= len(prompt) or prompt[p] not in tokens), None)
     if wrong is not None:
         return f"prompt position {wrong} does not hold the placeholder token {sorted(tokens)}"
+    # vLLM keys cached blocks by the item's content id and offset, not by its mask: the
+    # embeddings must go exactly where the range's placeholder tokens are.
+    placeholders = [p for p in positions if p < len(prompt) and prompt[p] in tokens]
+    if placeholders != embed_at:
+        first = next(p for p in placeholders if p not in embed_at)
+        return f"prompt position {first} holds the placeholder token; is_embed leaves it out"
     return None
 
 

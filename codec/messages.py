@@ -504,12 +504,15 @@ class TensorSchema(msgspec.Struct, frozen=True, gc=False):
     fixed size, or the name of a count tensor of the item whose elements' product the size
     equals. Count tensors (small integer ones) also carry ``values``, per element (flat, C
     order) a value every item has or nil, and ``multiple_of``, per element a divisor
-    (1: any)."""
+    (1: any). ``nonzero_rows``: each row (index along dim 0, e.g. an image tile) must hold a
+    value other than zero once cast to the model's dtype (the model drops all-zero rows as
+    padding its processor never makes)."""
 
     dtype: str
     dims: list[int | str]
     values: list[int | None] | None = None
     multiple_of: list[int] | None = None
+    nonzero_rows: bool = False
 
 
 class EmbeddingRule(msgspec.Struct, frozen=True, gc=False):

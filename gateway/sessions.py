@@ -223,6 +223,7 @@ class _Client:
     rate_updated: float = 0.0
     session_id: int = 0
     key: str | None = None  # the CURVE public key that opened it, when CURVE is on
+    fresh: bool = True  # nothing but its Hello received yet (a repeated Hello keeps it)
 
 
 class SessionTable:
@@ -350,6 +351,12 @@ class SessionTable:
             if client.key != key:
                 return self._not_the_owner(client_id, msg)
             client.last_seen = now
+            repeated_hello = type(msg) is Hello and client.fresh
+            if repeated_hello and msg.protocol_version == PROTOCOL_VERSION:
+                # Sent again while the first HelloAck was on its way: the same session.
+                client.name = msg.client_name
+                return Effects(replies=[(client_id, self._hello_ack(client))])
+            client.fresh = False
         effects = self._handlers[type(msg)](client_id, msg, now)
         if key is not None and type(msg) is Hello and client_id in self._clients:
             self._clients[client_id].key = key
@@ -389,6 +396,7 @@ class SessionTable:
             if client.key != key:
                 return self._not_the_owner(client_id, msg)
             client.last_seen = now
+            client.fresh = False
         call_id = msg.call_id
         if not authorized:
             return self._on_unauthorized_control(client_id, msg, now)
@@ -464,6 +472,7 @@ class SessionTable:
         client = self._clients.get(client_id)
         if client is not None:
             client.last_seen = now
+            client.fresh = False
         error = Error(exc.request_id, exc.code, exc.message, exc.call_id)
         return Effects(replies=[(client_id, error)])
 
@@ -499,8 +508,7 @@ class SessionTable:
             max(interval, limits.min_heartbeat_interval_s), limits.max_heartbeat_interval_s
         )
         timeout = interval * limits.heartbeat_timeout_factor
-        session_id = next(self._session_ids)
-        self._clients[client_id] = _Client(
+        client = _Client(
             client_id,
             msg.client_name,
             interval,
@@ -508,19 +516,22 @@ class SessionTable:
             now,
             rate_tokens=float(limits.request_rate_burst),
             rate_updated=now,
-            session_id=session_id,
+            session_id=next(self._session_ids),
         )
-        ack = HelloAck(
+        self._clients[client_id] = client
+        effects.replies.append((client_id, self._hello_ack(client)))
+        return effects
+
+    def _hello_ack(self, client: _Client) -> HelloAck:
+        return HelloAck(
             protocol_version=PROTOCOL_VERSION,
             gateway_version=self._gateway_version,
             model=self.model_info,
             limits=self.wire_limits,
-            heartbeat_interval_s=interval,
-            heartbeat_timeout_s=timeout,
-            session_id=session_id,
+            heartbeat_interval_s=client.heartbeat_interval_s,
+            heartbeat_timeout_s=client.heartbeat_timeout_s,
+            session_id=client.session_id,
         )
-        effects.replies.append((client_id, ack))
-        return effects
 
     def _refuse(self, client_id: bytes, request_id: str, code: ErrorCode, message: str) -> Effects:
         return Effects(replies=[(client_id, Error(request_id, code, message))])

@@ -47,16 +47,17 @@ class _KeySpec:
     pinned: dict[int, int] = field(default_factory=dict)  # element -> value
     multiple_of: dict[int, int] = field(default_factory=dict)  # element -> divisor
     elements: int | None = None  # a count tensor's elements (the same in every probe)
+    nonzero_rows: bool = False  # the model drops an all-zero row (tile) as padding
 
     def wire(self) -> TensorSchema:
         dims: list[int | str] = [
             self.fixed[d] if d in self.fixed else self.follows[d] for d in range(self.ndim)
         ]
         if self.elements is None:
-            return TensorSchema(self.dtype, dims)
+            return TensorSchema(self.dtype, dims, nonzero_rows=self.nonzero_rows)
         values = [self.pinned.get(i) for i in range(self.elements)]
         multiples = [self.multiple_of.get(i, 1) for i in range(self.elements)]
-        return TensorSchema(self.dtype, dims, values, multiples)
+        return TensorSchema(self.dtype, dims, values, multiples, self.nonzero_rows)
 
 
 @dataclass(slots=True)
@@ -99,6 +100,52 @@ def _count_values(tensors: dict[str, Any]) -> dict[str, list[int]]:
         for name, t in tensors.items()
         if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel() <= 8
     }
+
+
+# Content rules of the models vLLM serves, found by reading their code (vLLM 0.32): a
+# model that looks at what a tensor holds, not only at its shape, and would fail inside the
+# engine on values its processor never makes. Idefics3 (SmolVLM's architecture) drops every
+# all-zero tile of ``pixel_values`` as padding, then splits the encoder's output by
+# ``num_patches``: one such tile, and the split fails in the engine's step (ENGINE_DEAD).
+# (No other model in vLLM 0.32 drops or selects by content: checked with
+# ``grep -rn "pixel_values == 0\|== 0.0).sum" vllm/model_executor/models``.)
+_ZERO_ROWS_DROPPED = {"Idefics3ForConditionalGeneration": ("pixel_values",)}
+
+
+def _rows_dropped_when_zero(model_config: Any) -> tuple[str, ...]:
+    """The tensors whose all-zero rows the served model drops (by its architecture, or an
+    architecture vLLM implements with a subclass of one that does)."""
+    names: list[str] = []
+    for arch in getattr(model_config, "architectures", None) or []:
+        for base, tensors in _ZERO_ROWS_DROPPED.items():
+            if arch == base or _subclass_of(arch, base):
+                names.extend(tensors)
+    return tuple(dict.fromkeys(names))
+
+
+def _subclass_of(arch: str, base: str) -> bool:
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        cls = ModelRegistry._try_load_model_cls(arch)
+        return cls is not None and any(c.__name__ == base for c in cls.__mro__)
+    except Exception:  # an unknown architecture: no rule known
+        return False
+
+
+def _check_rows(where: str, schema: ModalitySchema, tensors: dict) -> None:
+    """Refuse an item with an all-zero row in a tensor the model drops such rows of."""
+    for name, spec in schema.keys.items():
+        tensor = tensors[name]
+        if not spec.nonzero_rows or tensor.ndim == 0 or tensor.shape[0] == 0:
+            continue
+        zero = (tensor.reshape(tensor.shape[0], -1) == 0).all(dim=1).nonzero()
+        if len(zero):
+            raise RequestRejected(
+                f"{where}: tensors[{name!r}][{int(zero[0])}] is all zeros; the model drops"
+                " such rows as padding (its processor never makes one), and the item would"
+                " no longer match its embeddings"
+            )
 
 
 def _probe_sizes(width: int, height: int) -> list[tuple[int, int]]:
@@ -273,6 +320,10 @@ class MultimodalInputs:
                 schemas["image"] = probe_image_schema(processor)
             except Exception as exc:  # any failure means "cannot check"
                 logger.warning("multimodal images are refused for this model: %s", exc)
+            else:
+                for name in _rows_dropped_when_zero(model_config):
+                    if name in schemas["image"].keys:
+                        schemas["image"].keys[name].nonzero_rows = True
         return cls(schemas, model_config.dtype)
 
     @property
@@ -311,6 +362,7 @@ class MultimodalInputs:
             tensors = self._tensors(where, schema, item)
             values = _count_values(tensors)
             self._check_counts(where, schema, tensors, values)
+            _check_rows(where, schema, tensors)
             mask = item.is_embed
             positions = range(item.offset, item.offset + item.length)
             embed_at = [p for i, p in enumerate(positions) if mask is None or mask[i]]
@@ -326,6 +378,17 @@ class MultimodalInputs:
                 raise RequestRejected(
                     f"{where}: prompt position {wrong} holds token {prompt[wrong]}, not the"
                     f" model's placeholder token ({sorted(schema.placeholder_ids)})"
+                )
+            # vLLM keys cached blocks by the item's content id and offset, not by its mask:
+            # a mask shifted off the placeholder tokens would store KV under keys another
+            # client's honest request computes. Embeddings go exactly where they are.
+            placeholder_at = [p for p in positions if prompt[p] in schema.placeholder_ids]
+            if placeholder_at != embed_at:
+                skipped = next(p for p in placeholder_at if p not in embed_at)
+                raise RequestRejected(
+                    f"{where}: prompt position {skipped} holds the placeholder token but"
+                    " is_embed leaves it out (the embedding positions must be exactly the"
+                    " range's placeholder tokens, as the model's processor makes them)"
                 )
             vllm_item = MultiModalKwargsItem(
                 {

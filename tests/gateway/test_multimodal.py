@@ -38,12 +38,14 @@ MAX_LEN = 512
 ENGINE = {"limit_mm_per_prompt": {"image": 4}, "block_size": 32}
 # (width, height, seed): aspect ratios that cut into 2x2, 1x2 and 2x1 tiles (+ global).
 A, B, C = (56, 40, 1), (56, 20, 2), (24, 56, 3)
+B2 = (56, 20, 4)  # B's size, other pixels
 CASES = [
     ([50, IMG, 60, 70], [A]),
     ([50, IMG, 60, 70], [B]),
     ([50, IMG, 61, IMG, 71], [A, C]),
     ([52, IMG, 62, IMG, 72], [B, B]),  # one image twice in a prompt
     ([53, 54, IMG, 63], [C]),
+    ([55, IMG, 64, IMG, 73], [B, B2]),
 ]
 
 
@@ -190,6 +192,19 @@ def _bad_items(prompt: list[int], item: MultimodalItem):
     n = t["num_patches"]
     one_patch = Tensor(pv.dtype, [1, *pv.shape[1:]], pv.data[: len(pv.data) // pv.shape[0]])
     invalid = ErrorCode.INVALID_REQUEST
+    tile = len(pv.data) // pv.shape[0]  # bytes of one tile
+    zero_tile = msgspec.structs.replace(
+        pv, data=bytes(pv.data[:tile]) + bytes(tile) + bytes(pv.data[2 * tile :])
+    )
+    minus_zero = (b"\x00\x80" if pv.dtype in ("bfloat16", "float16") else b"\x00\x00\x00\x80")
+    minus_zero_tile = msgspec.structs.replace(
+        pv,
+        data=bytes(pv.data[:tile])
+        + minus_zero * (tile // len(minus_zero))
+        + bytes(pv.data[2 * tile :]),
+    )
+    end = item.offset + item.length
+    doubled = [*prompt[:end], *prompt[item.offset : end], *prompt[end:]]  # the range twice
     one_less = list(item.is_embed)
     one_less[one_less.index(True)] = False
     return [
@@ -225,6 +240,14 @@ def _bad_items(prompt: list[int], item: MultimodalItem):
         ("past the prompt", prompt[: item.offset + 3], [item], invalid, ["past the prompt"]),
         ("is_embed length", prompt, [rep(item, is_embed=[True])], invalid, ["is_embed"]),
         ("overlap", prompt, [item, item], invalid, ["multimodal[1]", "overlaps"]),
+        ("zero tile", prompt, [rep(item, tensors={**t, "pixel_values": zero_tile})], invalid,
+         ["pixel_values'][1]", "all zeros"]),
+        ("negative zero tile", prompt,
+         [rep(item, tensors={**t, "pixel_values": minus_zero_tile})], invalid,
+         ["pixel_values'][1]", "all zeros"]),
+        ("mask off its placeholders", doubled,
+         [rep(item, length=2 * item.length, is_embed=[False] * item.length + item.is_embed)],
+         invalid, ["is_embed leaves it out"]),
         ("too many", prompt, [item] * 17, invalid, ["max_multimodal_items"]),
     ]  # fmt: skip
 
@@ -256,6 +279,31 @@ async def test_bad_items_are_refused_by_name_while_another_streams(vlm_gateway, 
         assert finish is not None and bystander_tokens == 300
         # The gateway and engine still serve images.
         assert len(await _tokens(client, prompt, items)) == 8
+
+
+async def test_a_mask_moved_onto_another_images_placeholders_cannot_poison_the_cache(
+    vlm_gateway, processor, offline
+):
+    """vLLM keys cached blocks by (content id, offset), not by the mask. A client stretches
+    image B's range over image B2's placeholders and marks B2's tokens with B's tensors: the
+    gateway refuses it (its embedding positions are not the range's placeholder tokens);
+    another client's honest request for [B, B2] then gets offline vLLM's tokens."""
+    prompt, (b, b2) = _processed(processor, CASES[5])
+    stretched = msgspec.structs.replace(
+        b,
+        length=b2.offset + b2.length - b.offset,
+        is_embed=[False] * (b2.offset - b.offset) + list(b2.is_embed),
+    )
+    async with (
+        AsyncClient(vlm_gateway.addresses[0], name="attacker") as attacker,
+        AsyncClient(vlm_gateway.addresses[0], name="honest") as honest,
+    ):
+        assert item_problem(attacker.hello_ack.model, prompt, stretched)
+        with pytest.raises(RequestFailed) as info:
+            await _tokens(attacker, prompt, [stretched])
+        assert info.value.code is ErrorCode.INVALID_REQUEST
+        assert "is_embed leaves it out" in info.value.message
+        assert await _tokens(honest, prompt, [b, b2]) == offline[5]
 
 
 async def test_a_text_model_refuses_items(real_gateway, processor):

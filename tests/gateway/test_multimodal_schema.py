@@ -236,3 +236,77 @@ def test_a_size_the_processor_refuses_is_left_out_while_three_remain():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="refused the probe images.*50x200: 50 px is too narrow"):
         _each_size([(300, 200), (50, 200), (40, 40)], probe)
+
+
+@pytest.fixture(scope="module")
+def tiles_schema(schema):
+    """Qwen2-VL's schema with the content rule of a model that drops all-zero rows as
+    padding (Idefics3's, on its tiles): the rule is checked on any schema that carries it."""
+    import copy
+
+    marked = copy.deepcopy(schema)
+    marked.keys["pixel_values"].nonzero_rows = True
+    return marked
+
+
+_ROW_KINDS = ["noise", "noise", "zero", "minus_zero", "one_value"]
+
+
+@st.composite
+def items_by_content(draw):
+    """One valid 2x2-grid item (4 rows of pixels), each row noise, all +0.0 or -0.0, or
+    zero but for one element; a placeholder range of pads and text tokens with any mask
+    that marks one position per embedding."""
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    kinds = draw(st.lists(st.sampled_from(_ROW_KINDS), min_size=4, max_size=4))
+    rows = []
+    for kind in kinds:
+        row = torch.zeros(1176)
+        if kind == "noise":
+            row = torch.rand(1176) + 0.1
+        elif kind == "minus_zero":
+            row = -row
+        elif kind == "one_value":
+            row[draw(st.integers(0, 1175))] = draw(st.sampled_from([-2.0, 0.5]))
+        rows.append(row)
+    pixels = torch.stack(rows).to(getattr(torch, dtype))
+    range_tokens = draw(st.lists(st.sampled_from([IMAGE_PAD, 7]), min_size=1, max_size=4))
+    marked = draw(st.sets(st.integers(0, len(range_tokens) - 1), min_size=1, max_size=1))
+    mask = [i in marked for i in range(len(range_tokens))]
+    tensors = {
+        "pixel_values": to_wire_tensor(pixels),
+        "image_grid_thw": to_wire_tensor(torch.tensor([1, 2, 2])),
+    }
+    prompt = [VISION_START, *range_tokens, VISION_END]
+    item = MultimodalItem("image", "content", 1, len(range_tokens), mask, tensors)
+    return prompt, item, kinds
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=items_by_content())
+def test_item_contents_decide_by_rule_an_all_zero_row_or_a_mask_off_the_placeholders(
+    tiles_schema, case
+):
+    """Refused exactly when a row is all zeros (either sign) or the mask is not the range's
+    placeholder tokens, naming the first such row or position; the client's check agrees."""
+    prompt, item, kinds = case
+    zero_rows = [i for i, kind in enumerate(kinds) if kind in ("zero", "minus_zero")]
+    placeholders = [i for i in range(item.length) if prompt[1 + i] == IMAGE_PAD]
+    good_mask = placeholders == [i for i, m in enumerate(item.is_embed) if m]
+    model = ModelInfo("tiles", 4096, 151936, [151645], multimodal={"image": tiles_schema.wire()})
+    predicted = item_problem(model, prompt, item)
+    try:
+        inputs_for(tiles_schema).build(prompt, [item], cache_salt="")
+    except RequestRejected as refused:
+        event("refused")
+        assert predicted is not None, refused.message
+        if zero_rows:
+            assert f"tensors['pixel_values'][{zero_rows[0]}] is all zeros" in refused.message
+        else:
+            assert not good_mask
+            assert "is_embed leaves it out" in refused.message or "not the model's placeholder" in (
+                refused.message
+            )
+        return
+    event("accepted")
+    assert predicted is None and not zero_rows and good_mask

@@ -311,6 +311,21 @@ def test_second_hello_ends_the_old_session_before_its_ack():
     assert isinstance(ack, HelloAck) and h.aborted == [eid]
 
 
+def test_a_hello_repeated_before_anything_else_keeps_its_session():
+    """A client that says Hello again while the first HelloAck is on its way (its reconnect
+    backoff fired first, on a slow machine) keeps one session: its Pongs name the session
+    of the ack it read, whichever (the CI failure: 'the gateway holds another session')."""
+    h = TableHarness()
+    first = hello(h, A)
+    again = hello(h, A)
+    assert again.session_id == first.session_id
+    h.send(A, Ping(7))
+    (pong,) = h.take(A)
+    assert pong.session_id == first.session_id
+    # Once anything else reached the session, a Hello is a reconnect: a new session.
+    assert hello(h, A).session_id != first.session_id
+
+
 def test_engine_death_errors_every_live_request_and_refuses_new_ones():
     h = TableHarness()
     hello(h, A)

@@ -597,8 +597,8 @@ MUTANTS = {
         "                    pass",
     ),
     "pause(abort) ends nothing": (
-        'if isinstance(msg, Pause) and msg.mode == "abort":',
-        "if False:",
+        'if (isinstance(msg, Pause) and msg.mode == "abort") or (',
+        "if False and (",
     ),
     "a held-back version never told": (
         "    sample.sent_version = version\n    return version",
