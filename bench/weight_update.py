@@ -60,6 +60,7 @@ async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str, http
     round not counted. The trainer is this process."""
     from bench.targets import EngineSetup, GatewayServer
     from client import AsyncClient
+    from client.weight_sync import buffer_folder
 
     setup = EngineSetup(max_model_len=512, extra_flags=_TRANSFER_FLAGS)
     tensors = load_tensors(path)
@@ -70,9 +71,11 @@ async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str, http
         async with AsyncClient(
             server.ipc, name="bench-trainer", connect_timeout_s=300, heartbeat_interval_s=5.0
         ) as gw:
-            await gw.init_weight_transfer_engine({})
+            folder = buffer_folder(await gw.init_weight_transfer_engine({}))
             # In memory first: a checkpoint write leaves gigabytes of dirty pages behind.
-            memory = [await _in_memory(gw, tensors, bucket_bytes, r) for r in range(rounds + 1)]
+            memory = [
+                await _in_memory(gw, tensors, bucket_bytes, folder, r) for r in range(rounds + 1)
+            ]
             disk = [await _from_disk(gw, tensors, disk_dir, r) for r in range(rounds + 1)]
             result["memory"], result["disk"] = memory[1:], disk[1:]  # the first warms up
     finally:
@@ -91,19 +94,19 @@ async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str, http
     return result
 
 
-async def _in_memory(gw, tensors: list, bucket_bytes: int, round_: int) -> dict:  # noqa: ANN001
+async def _in_memory(  # noqa: ANN001
+    gw, tensors: list, bucket_bytes: int, folder: str, round_: int
+) -> dict:
     from client.weight_sync import shared_memory_buckets
 
     t0 = time.perf_counter()
-    await gw.pause("keep")
-    await gw.start_weight_update()
+    await gw.start_weight_update("keep")  # the gateway's hold ends with the update
     t1 = time.perf_counter()
-    with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes) as buckets:
+    with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes, directory=folder) as buckets:
         for info in buckets:
             await gw.update_weights(info)
     t2 = time.perf_counter()
     done = await gw.finish_weight_update(f"mem-{round_}")
-    await gw.resume()
     t3 = time.perf_counter()
     assert done.result["layers_updated"] == done.result["layers"], done.result
     return {"start": t1 - t0, "transfer": t2 - t1, "finish": t3 - t2, "total": t3 - t0}
@@ -142,13 +145,16 @@ def _http_round(base: str, tensors: list, bucket_bytes: int, round_: int) -> dic
     from client.weight_sync import shared_memory_buckets
 
     http = HTTPVLLMWeightSyncClient(base, timeout=600)
+    # No gateway here: the operator (this bench) names a private folder to vLLM directly.
+    folder = os.path.join("/dev/shm", "eg-bench-http-weights")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     if round_ == 0:
-        http.init_weight_transfer_engine({})
+        http.init_weight_transfer_engine({"directory": folder})
     t0 = time.perf_counter()
     requests.post(f"{base}/pause?mode=keep", timeout=60).raise_for_status()
     http.start_weight_update()
     t1 = time.perf_counter()
-    with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes) as buckets:
+    with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes, directory=folder) as buckets:
         for info in buckets:
             http.update_weights(info)
     t2 = time.perf_counter()

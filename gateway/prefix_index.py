@@ -45,7 +45,9 @@ def decode_batch(payload: bytes) -> EventBatch:
 class RankIndex:
     """One rank's cached block hashes and where its event stream stands."""
 
-    blocks: set = dataclasses.field(default_factory=set)
+    # hash -> copies the rank holds: vLLM does not de-duplicate cached blocks (a request
+    # that skips reading the cache stores a second copy), and evicts each copy on its own.
+    blocks: dict = dataclasses.field(default_factory=dict)
     # The last batch applied: -1 before the first (a fresh engine's first batch is 0);
     # None after a reset (the next batch, whatever its number, starts over).
     last_seq: int | None = -1
@@ -82,18 +84,34 @@ class PrefixIndex:
         return "gap"
 
     def apply(self, rank: int, seq: int, batch: EventBatch) -> None:
-        """Apply batch ``seq`` of ``rank`` (in order: ``check_sequence`` said "next")."""
+        """Apply batch ``seq`` of ``rank`` (in order: ``check_sequence`` said "next"). A
+        batch that cannot be applied whole (an event of a shape this index does not know)
+        resets the rank, as a lost batch would: its index is no longer what the rank
+        holds, and half of a batch must not stand for all of it."""
         index = self.ranks[rank]
+        try:
+            self._apply_events(index, batch)
+        except Exception:
+            self.reset(rank)
+            raise
         index.last_seq = seq
         index.last_event_ts = batch.ts
+
+    @staticmethod
+    def _apply_events(index: RankIndex, batch: EventBatch) -> None:
+        blocks = index.blocks
         for event in batch.events:
             index.events += 1
             kind = event.get("type")
             if kind == "BlockStored":
                 if event.get("group_idx") not in (None, 0):
                     continue  # hybrid models: route on the first KV cache group only
+                if event.get("medium") not in (None, "GPU"):
+                    continue  # another tier (an offloading connector's CPU copies)
                 hashes = event.get("block_hashes") or []
-                index.blocks.update(_hashable(h) for h in hashes)
+                for h in hashes:
+                    key = _hashable(h)
+                    blocks[key] = blocks.get(key, 0) + 1
                 index.block_size = event.get("block_size") or index.block_size
                 root = event.get("parent_block_hash") is None and not event.get("lora_name")
                 if root and hashes and len(index.root_blocks_seen) < 8:
@@ -105,8 +123,15 @@ class PrefixIndex:
             elif kind == "BlockRemoved":
                 if event.get("group_idx") not in (None, 0):
                     continue
+                if event.get("medium") not in (None, "GPU"):
+                    continue
                 for h in event.get("block_hashes") or []:
-                    index.blocks.discard(_hashable(h))
+                    key = _hashable(h)
+                    copies = blocks.get(key, 0) - 1
+                    if copies > 0:
+                        blocks[key] = copies
+                    else:
+                        blocks.pop(key, None)
             elif kind == "AllBlocksCleared":
                 index.blocks.clear()
 

@@ -75,7 +75,7 @@ async def test_batches_apply_in_order_and_a_lost_start_is_replayed(endpoints):
             await until(lambda: feed.replayed >= 3)
             assert index.ranks[0].synced and index.ranks[0].gaps == 1
             # The replay buffer gave back everything missed, then the live batches.
-            assert {100, 101, 102, 200} <= index.ranks[0].blocks
+            assert {100, 101, 102, 200} <= index.ranks[0].blocks.keys()
             assert index.matched_blocks([101]) == [1]
         finally:
             await feed.aclose()
@@ -95,7 +95,7 @@ async def test_a_gap_the_replay_buffer_no_longer_holds_resets_the_rank(endpoints
             await until(lambda: index.ranks[0].resets == 1)
             rank = index.ranks[0]
             assert rank.synced and feed.replayed == 0
-            assert not {100, 101, 102, 103, 104, 105} & rank.blocks  # never claimed
+            assert not {100, 101, 102, 103, 104, 105} & rank.blocks.keys()  # never claimed
         finally:
             await feed.aclose()
     finally:
@@ -145,3 +145,55 @@ async def test_malformed_frames_are_counted_and_the_feed_goes_on(endpoints):
         await feed.aclose()
         raw.close(linger=0)
         ctx.term()
+
+
+async def test_a_replay_with_a_hole_in_the_middle_resets_the_rank(endpoints):
+    """A replay whose first and last batches are right but which lacks one between (vLLM's
+    replay socket drops at its high-water mark) is not applied: the rank is reset, so the
+    index never claims a block whose BlockRemoved was in the missing batch."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from gateway.prefix_index import EventBatch
+
+    def payload(event: dict) -> bytes:
+        return msgspec.msgpack.encode(EventBatch(time.time(), [event], 0))
+
+    def stored(block: int) -> dict:
+        return {"type": "BlockStored", "block_hashes": [block], "parent_block_hash": None,
+                "token_ids": [1] * 16, "block_size": 16, "lora_id": None, "medium": "GPU",
+                "lora_name": None}  # fmt: skip
+
+    ctx = zmq.asyncio.Context()
+    pub, replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(endpoints[0])
+    replay.bind(endpoints[1])
+    index = PrefixIndex(1)
+    feed = KvEventFeed(index, [endpoints[0]], [endpoints[1]], context=ctx)
+    feed.start()
+
+    async def serve_replay_with_a_hole() -> None:
+        client, _, start = await replay.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        # Batch 1, lost in the replay too, was the BlockRemoved of block 7.
+        for seq, event in ((0, stored(7)), (2, stored(8))):
+            await replay.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"),
+                                         payload(event)])  # fmt: skip
+        await replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True),
+                                     b""])  # fmt: skip
+
+    try:
+        server = asyncio.ensure_future(serve_replay_with_a_hole())
+        async with asyncio.timeout(10):
+            while feed.batches == 0:  # batch 3 live: 0..2 were lost on the PUB socket
+                await pub.send_multipart([b"kv", (3).to_bytes(8, "big"), payload(stored(9))])
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(server, 10)
+        await until(lambda: index.ranks[0].resets == 1)
+        assert index.matched_blocks([7]) == [0] and feed.replayed == 0
+        assert index.matched_blocks([9]) == [1]  # live again from the next batch
+    finally:
+        await feed.aclose()
+        pub.close(0)
+        replay.close(0)

@@ -87,3 +87,37 @@ def test_a_batch_decodes_from_vllms_msgpack_form():
     index = PrefixIndex(2)
     index.apply(1, 0, decoded)
     assert index.matched_blocks([b"\x01" * 32]) == [0, 1]  # bytes hashes work as well
+
+
+def test_a_block_stored_twice_stays_until_both_copies_are_evicted():
+    """vLLM keeps a second copy of a block under the same hash (a request that skips
+    reading the cache, e.g. with prompt_logprobs) and evicts each copy on its own."""
+    index = PrefixIndex(1)
+    index.apply(0, 0, batch(stored([1, 2]), stored([1, 2])))
+    index.apply(0, 1, batch({"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "GPU"}))
+    assert index.matched_blocks([1, 2]) == [2]  # one copy of each is still held
+    index.apply(0, 2, batch({"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "GPU"}))
+    assert index.matched_blocks([1, 2]) == [0] and index.size() == 0
+
+
+def test_events_of_another_medium_are_not_the_devices():
+    index = PrefixIndex(1)
+    index.apply(0, 0, batch(stored([1]), stored([2], medium="CPU")))
+    assert index.matched_blocks([1]) == [1] and index.matched_blocks([2]) == [0]
+    index.apply(0, 1, batch({"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"}))
+    assert index.matched_blocks([1]) == [1]  # the offloaded copy went, not the device's
+
+
+def test_a_batch_that_cannot_be_applied_whole_resets_the_rank():
+    """Half of a batch must not stand for all of it: the rank starts over (an under-
+    estimate), its sequence not advanced past the batch."""
+    import pytest
+
+    index = PrefixIndex(1)
+    index.apply(0, 0, batch(stored([1])))
+    broken = batch(stored([2]), {"type": "BlockRemoved", "block_hashes": 5})  # not a list
+    with pytest.raises(TypeError):
+        index.apply(0, 1, broken)
+    rank = index.ranks[0]
+    assert rank.resets == 1 and rank.last_seq is None and index.matched_blocks([1]) == [0]
+    assert index.check_sequence(0, 2) == "next"

@@ -85,7 +85,7 @@ async def test_the_gateways_hash_of_a_prompt_is_the_one_the_engine_published(cli
 
     ours = engine.prompt_block_hashes(prompt)
     assert len(ours) == 4 and all(isinstance(h, int) for h in ours)
-    assert set(ours) <= rank.blocks  # BlockStored carried exactly these hashes
+    assert set(ours) <= rank.blocks.keys()  # BlockStored carried exactly these hashes
     assert rank.verified is True  # and the feed's own check of a root block agreed
     # vLLM reuses whole blocks and always computes the last token.
     assert matched[holder(matched)] == 4 * BLOCK
