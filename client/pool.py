@@ -228,7 +228,10 @@ class GatewayPool(CompletionCalls):
                 continue
             known = [(t, r) for r, t in enumerate(reply.matched_tokens) if t is not None]
             tokens, rank = max(known, default=(0, None))
-            if tokens > best_tokens:
+            # Ties go to the less loaded gateway (the first listed always won them).
+            if tokens > best_tokens or (
+                tokens == best_tokens > 0 and self._load(client) < self._load(best)
+            ):
                 best, best_tokens, best_rank, best_routing = client, tokens, rank, reply.routing
         if best_tokens == 0:
             return least_loaded

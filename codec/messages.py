@@ -125,6 +125,9 @@ class ErrorCode(_OpenIntEnum):
     # A weight update failed after some layers took new weights: generation is refused
     # until a complete update (or ReloadWeights) succeeds. Retry after that.
     WEIGHTS_INCOMPLETE = 34
+    # A call refused by a per-client limit (PrefixQuery over max_request_rate_per_client,
+    # which it shares with Generate): nothing was done; retry later.
+    RATE_LIMITED = 35
     INTERNAL = 40  # a bug in the gateway: please report it
 
 

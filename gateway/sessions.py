@@ -566,15 +566,10 @@ class SessionTable:
             )
         limits = self.wire_limits
         rate = self.limits.max_request_rate_per_client
-        if rate > 0:
-            burst = self.limits.request_rate_burst
-            client.rate_tokens = min(burst, client.rate_tokens + (now - client.rate_updated) * rate)
-            client.rate_updated = now
-            if client.rate_tokens < 1.0:
-                return self._overloaded(
-                    client_id, request_id, "max_request_rate_per_client", int(rate), int(rate)
-                )
-            client.rate_tokens -= 1.0
+        if not self._take_rate_token(client, now):
+            return self._overloaded(
+                client_id, request_id, "max_request_rate_per_client", int(rate), int(rate)
+            )
         if len(client.requests) >= limits.max_in_flight_per_client:
             return self._overloaded(
                 client_id,
@@ -758,11 +753,41 @@ class SessionTable:
         )
         return Effects(replies=[(client_id, reply)])
 
+    def _take_rate_token(self, client: _Client, now: float) -> bool:
+        """One of the client's request-rate tokens (Generate and PrefixQuery share them);
+        False when it has none left (``max_request_rate_per_client``)."""
+        rate = self.limits.max_request_rate_per_client
+        if rate <= 0:
+            return True
+        burst = self.limits.request_rate_burst
+        client.rate_tokens = min(burst, client.rate_tokens + (now - client.rate_updated) * rate)
+        client.rate_updated = now
+        if client.rate_tokens < 1.0:
+            return False
+        client.rate_tokens -= 1.0
+        return True
+
     def _on_prefix_query(self, client_id: bytes, msg: PrefixQuery, now: float) -> Effects:
         prompt, call_id = msg.prompt_token_ids, msg.call_id
         limit = self.wire_limits.max_prompt_tokens
         if self._prefix_query is None:
             error = Error(None, ErrorCode.UNSUPPORTED, "this gateway has no engine", call_id)
+            return Effects(replies=[(client_id, error)])
+        client = self._clients.get(client_id)
+        if client is None:  # each query hashes the whole prompt: no work for strangers
+            error = Error(
+                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before PrefixQuery", call_id
+            )
+            return Effects(replies=[(client_id, error)])
+        if not self._take_rate_token(client, now):
+            rate = self.limits.max_request_rate_per_client
+            error = Error(
+                None,
+                ErrorCode.RATE_LIMITED,
+                f"PrefixQuery over max_request_rate_per_client ({rate:g}/s, shared with"
+                " Generate): retry later",
+                call_id,
+            )
             return Effects(replies=[(client_id, error)])
         if not prompt or len(prompt) > limit:
             message = f"prompt_token_ids must hold 1 to {limit} ids, got {len(prompt)}"

@@ -103,6 +103,9 @@ class PrefixRouting:
         else:
             prompt_len = len(core_request.prompt_token_ids or ())
             matched, block_size = self._matched_blocks(core_request)
+            if matched is not None and _skips_reading_the_cache(core_request):
+                # vLLM computes its whole prompt (prompt logprobs): no rank gives it a hit.
+                matched = [None if m is None else 0 for m in matched]
             decision = router.choose(
                 matched, self._load_scores(), prompt_len, block_size, routing_key
             )
@@ -238,3 +241,10 @@ class PrefixRouting:
             None if m is None else reusable_blocks(m, prompt_len, block_size) * block_size
             for m in matched
         ], block_size
+
+
+def _skips_reading_the_cache(core_request: Any) -> bool:
+    """vLLM's rule (``Request.get_skip_reading_prefix_cache``): a request that asks for
+    prompt logprobs reads no cached block."""
+    params = core_request.sampling_params or core_request.pooling_params
+    return bool(getattr(params, "skip_reading_prefix_cache", False))

@@ -228,3 +228,33 @@ async def test_a_gateway_that_refuses_the_first_hello_is_retried_and_close_does_
                     await stream_outcome(stream)
             finally:
                 await pool.aclose()  # must not raise the first refusal
+
+
+async def test_with_the_cache_policy_a_prefix_held_by_two_gateways_goes_to_the_less_loaded():
+    """Both gateways hold the prompt equally (their PrefixReplies say so): the one with
+    fewer of this pool's requests in flight gets it, not the first listed."""
+    from codec import PrefixReply
+
+    engines = [FakeEngine(step_interval_s=0.01) for _ in range(2)]
+    async with (
+        running_gateway(engines[0]) as a,
+        running_gateway(engines[1]) as b,
+        GatewayPool([a.addresses[0], b.addresses[0]], policy="cache", **FAST_HEARTBEAT) as pool,
+    ):
+
+        async def both_hold_it(prompt, options=None):
+            return PrefixReply(0, 16, [32], "cache")
+
+        for client in pool.clients:
+            client.prefix_query = both_hold_it
+        busy = pool.generate([5], LONG)
+        await anext(busy)
+        first = busy.gateway
+        other = b.addresses[0] if first == a.addresses[0] else a.addresses[0]
+        for _ in range(3):
+            stream = pool.generate([6], SHORT)
+            async for _ in stream:
+                pass
+            assert stream.gateway == other  # the tie goes where nothing else runs
+        await pool.abort()
+        await stream_outcome(busy)

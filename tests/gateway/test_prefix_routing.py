@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import msgspec
 import pytest
 
 from client import AsyncClient, GatewayPool, RequestOptions, SamplingParams
@@ -115,6 +116,23 @@ async def test_a_shared_prefix_follows_its_rank_and_vllm_reports_the_predicted_h
         after = await settled(client, extended, lambda m, r=rank: m[r] == 4 * BLOCK)
         assert after[1 - rank] == 0
     assert ranks_seen == {0, 1}  # fresh prompts went by load: both ranks served
+
+
+async def test_a_request_with_prompt_logprobs_is_not_routed_as_a_hit(client, routed):
+    """vLLM reads no cached block for it: no rank matches, no hit is predicted, and vLLM
+    indeed reports none."""
+    prompt = fresh_prompt(3)
+    await client.complete(prompt, GREEDY)
+    await settled(client, prompt, lambda m: any(m))
+    decisions = dict(routed.engine.router.decisions)
+    exact = routed.engine.routing_accuracy.exact
+    with_logprobs = msgspec.structs.replace(GREEDY, prompt_logprobs=1)
+
+    done = await client.complete(prompt, with_logprobs)
+
+    assert done.cached_tokens == 0
+    assert routed.engine.router.decisions["matched"] == decisions.get("matched", 0)
+    assert routed.engine.routing_accuracy.exact == exact + 1  # predicted 0, got 0
 
 
 async def test_a_pinned_request_is_placed_where_asked(client, routed):

@@ -326,6 +326,36 @@ def test_a_hello_repeated_before_anything_else_keeps_its_session():
     assert hello(h, A).session_id != first.session_id
 
 
+def test_prefix_queries_need_a_session_and_share_the_request_rate():
+    """Each PrefixQuery hashes the whole prompt on the gateway's loop: a raw socket without
+    a session gets none answered, and a session's queries count with its Generates."""
+    from codec import PrefixQuery, PrefixReply
+
+    h = TableHarness(GatewayLimits(max_request_rate_per_client=1.0, request_rate_burst=2))
+    queried = []
+
+    def prefix_query(prompt, options):
+        queried.append(prompt)
+        return [0], 16, "cache"
+
+    h.table._prefix_query = prefix_query
+    h.send(A, PrefixQuery(1, [5, 6]))
+    (refused,) = h.take(A)
+    assert refused.code is ErrorCode.HANDSHAKE_REQUIRED and refused.call_id == 1
+    assert queried == []
+    hello(h, A)
+    h.send(A, PrefixQuery(2, [5, 6]))
+    h.send(A, Generate("r1", [5]))  # the burst of 2 is spent
+    h.send(A, PrefixQuery(3, [5, 6]))
+    reply, *_, limited = h.take(A)
+    assert isinstance(reply, PrefixReply) and reply.call_id == 2
+    assert limited.code is ErrorCode.RATE_LIMITED and limited.call_id == 3
+    assert len(queried) == 1
+    h.now += 1.0  # one token back
+    h.send(A, PrefixQuery(4, [5, 6]))
+    assert isinstance(h.take(A)[-1], PrefixReply)
+
+
 def test_engine_death_errors_every_live_request_and_refuses_new_ones():
     h = TableHarness()
     hello(h, A)
