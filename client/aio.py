@@ -902,9 +902,14 @@ class AsyncClient(CompletionCalls):
         if state is None or state.resend is None or state.abandoned or not self.connected:
             return False
         message, state.resend = state.resend, None
+        try:
+            payload = self._encode_within_limit(message, message.request_id)
+        except RequestFailed as exc:  # the full request exceeds max_frame_bytes: it ends here
+            self._end_stream(message.request_id, exc)
+            return True
         self._multimodal_sent.update(item.hash for item in message.multimodal or ())
         self.multimodal_resends += 1
-        self._send_payload(self._encode_within_limit(message, message.request_id))
+        self._send_payload(payload)
         return True
 
     def _end_stream(self, request_id: str, exc: BaseException) -> None:
