@@ -89,7 +89,9 @@ def _owned(item: MultimodalItem) -> MultimodalItem:
         name: Tensor(t.dtype, t.shape, memoryview(bytes(t.data)))
         for name, t in (item.tensors or {}).items()
     }
-    return msgspec.structs.replace(item, tensors=tensors)
+    # Only what a use by hash takes (its modality, content id and tensors): the placeholder
+    # mask of the request that sent it (8 bytes a position) stays out of the held bytes.
+    return msgspec.structs.replace(item, tensors=tensors, is_embed=None)
 
 
 @dataclass(slots=True)
@@ -179,7 +181,8 @@ class MultimodalStore:
                         ErrorCode.INVALID_REQUEST, f"{where}: is_embed marks no position"
                     )
             if item.tensors is None:
-                entry = self._entries.get((session_id, item.hash)) or in_request.get(item.hash)
+                # An earlier item of this request first (§7.16), then the session's held one.
+                entry = in_request.get(item.hash) or self._entries.get((session_id, item.hash))
                 if entry is None:
                     self.stats.unknown_hashes += 1
                     raise ItemProblem(
@@ -237,12 +240,13 @@ class MultimodalStore:
                 continue
             nbytes = tensor_bytes([full])
             stats.item_bytes += nbytes
-            if nbytes > self.capacity_bytes:
-                continue
             key = (session_id, item.hash)
-            old = self._entries.pop(key, None)
+            old = self._entries.pop(key, None)  # that hash names these tensors from now on
             if old is not None:
                 self.held_bytes -= old.nbytes
+                self._sessions[session_id].discard(item.hash)
+            if nbytes > self.capacity_bytes:
+                continue  # too big to hold: a later use by hash is MULTIMODAL_ITEM_UNKNOWN
             self._entries[key] = _Entry(_owned(full), nbytes)
             self._sessions.setdefault(session_id, set()).add(item.hash)
             self.held_bytes += nbytes

@@ -269,3 +269,21 @@ def test_any_items_resolve_within_their_checks_or_are_refused_by_name(requests):
         assert 0 <= s.held_bytes <= 4096
         assert s.held_bytes == sum(e.nbytes for e in s._entries.values())
     event(f"accepted {min(accepted, 3)}+")
+
+
+def test_a_held_item_keeps_no_placeholder_mask_and_a_hash_too_big_to_hold_forgets_the_old():
+    """Issue 51 items 12 and 15: the first request's is_embed (8 bytes a position, outside
+    the count) is not held; an item under a held hash that is too big to hold replaces it
+    (a later use by hash must not get the old tensors); within a request, a hash names the
+    request's own earlier item before the store's."""
+    s = store(capacity=64)
+    sent = [item("h1", fill=1, is_embed=[True, False, True, True])]
+    s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))
+    assert next(iter(s._entries.values())).item.is_embed is None
+    bigger = [item("h1", fill=2, size=128)]  # within max_item_bytes, over the capacity
+    s.remember(1, bigger, s.resolve(1, bigger, len(PROMPT)))
+    assert s.held_bytes == 0
+    assert problem(s, [bare("h1")]).code is ErrorCode.MULTIMODAL_ITEM_UNKNOWN
+    s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))  # h1 held: fill 1
+    newer, again = s.resolve(1, [item("h1", fill=3), bare("h1", offset=6)], len(PROMPT))
+    assert bytes(again.tensors["pixel_values"].data) == bytes([3]) * 16
