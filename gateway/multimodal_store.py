@@ -222,6 +222,13 @@ class MultimodalStore:
             full = msgspec.structs.replace(item, hash=content_id(item))
             in_request[item.hash] = _Entry(full, nbytes)
             resolved.append(full)
+        engine_bytes = tensor_bytes(resolved)  # items by hash count too: the engine gets them
+        if engine_bytes > self.max_request_bytes:
+            raise ItemProblem(
+                ErrorCode.INVALID_REQUEST,
+                f"multimodal tensors hold {engine_bytes} bytes with the items named by hash;"
+                f" max_multimodal_request_bytes is {self.max_request_bytes}",
+            )
         return resolved
 
     def remember(

@@ -287,3 +287,14 @@ def test_a_held_item_keeps_no_placeholder_mask_and_a_hash_too_big_to_hold_forget
     s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))  # h1 held: fill 1
     newer, again = s.resolve(1, [item("h1", fill=3), bare("h1", offset=6)], len(PROMPT))
     assert bytes(again.tensors["pixel_values"].data) == bytes([3]) * 16
+
+
+def test_items_named_by_hash_count_against_the_request_bytes():
+    """Issue 51 item 14: 16 items of 32 MiB by hash once reached one engine request."""
+    s = store(max_item_bytes=64, max_request_bytes=64)
+    sent = [item("h1", size=48)]
+    s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))
+    refused = problem(s, [bare("h1"), bare("h1", offset=6)])
+    assert "96 bytes with the items named by hash" in refused.message
+    (alone,) = s.resolve(1, [bare("h1")], len(PROMPT))
+    assert alone.tensors is not None
