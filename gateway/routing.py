@@ -50,6 +50,7 @@ class RoutingConfig:
     guard_ratio: float = 1.5
     guard_slack: float = 8.0
     sticky_keys: int = 100_000  # routing keys remembered (least recently used dropped)
+    sticky_keys_per_client: int = 4096  # of one client's (its key's part before ":")
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -78,6 +79,9 @@ class Router:
         self.decisions: collections.Counter[str] = collections.Counter()
         self._next = 0
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Per owner (the gateway prefixes each client's keys with its identity and ":"),
+        # its keys in use order: one client cannot push every other client's keys out.
+        self._owned: dict[str, collections.OrderedDict[str, None]] = {}
 
     def choose(
         self,
@@ -131,8 +135,24 @@ class Router:
         if reason != "matched" and reason != "sticky":
             self._next += 1
         if routing_key is not None:
-            self._sticky[routing_key] = best
-            self._sticky.move_to_end(routing_key)
-            while len(self._sticky) > self.config.sticky_keys:
-                self._sticky.popitem(last=False)
+            self._remember(routing_key, best)
         return Decision(best, reason, usable[best])
+
+    def _remember(self, routing_key: str, rank: int) -> None:
+        sticky = self._sticky
+        sticky[routing_key] = rank
+        sticky.move_to_end(routing_key)
+        owner = routing_key.partition(":")[0] if ":" in routing_key else ""
+        owned = self._owned.setdefault(owner, collections.OrderedDict())
+        owned[routing_key] = None
+        owned.move_to_end(routing_key)
+        while len(owned) > self.config.sticky_keys_per_client:
+            sticky.pop(owned.popitem(last=False)[0], None)
+        while len(sticky) > self.config.sticky_keys:
+            oldest, _ = sticky.popitem(last=False)
+            oldest_owner = oldest.partition(":")[0] if ":" in oldest else ""
+            keys = self._owned.get(oldest_owner)
+            if keys is not None:
+                keys.pop(oldest, None)
+                if not keys:
+                    del self._owned[oldest_owner]

@@ -617,6 +617,13 @@ class SessionTable:
             except ItemProblem as exc:
                 return self._refuse(client_id, request_id, exc.code, exc.message)
             submitted = msgspec.structs.replace(msg, multimodal=items)
+        if submitted.options is not None and submitted.options.routing_key is not None:
+            # Each client's keys are its own: no client can re-point or evict another's.
+            owner = client.key or client_id.hex()
+            options = msgspec.structs.replace(
+                submitted.options, routing_key=f"{owner}:{submitted.options.routing_key}"
+            )
+            submitted = msgspec.structs.replace(submitted, options=options)
         engine_request_id = f"{self._engine_id_prefix}{next(self._engine_ids)}"
         try:
             prepared = self._prepare(engine_request_id, submitted)
@@ -630,7 +637,7 @@ class SessionTable:
                 ErrorCode.INTERNAL,
                 f"the gateway failed to prepare request {request_id!r}: {exc!r}",
             )
-        if submitted is not msg:
+        if msg.multimodal and self.multimodal is not None:
             self.multimodal.remember(client.session_id, msg.multimodal, submitted.multimodal)
         n = len(prepared)
         samples = [

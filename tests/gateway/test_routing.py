@@ -60,6 +60,22 @@ def test_sticky_keys_are_bounded():
     assert list(router._sticky) == ["b", "c"]
 
 
+def test_one_clients_keys_cannot_push_out_anothers():
+    """Issue 51 item 22: the gateway prefixes each client's keys with its identity; each
+    client keeps at most sticky_keys_per_client, so a flood of one client's keys evicts
+    only its own."""
+    router = cache_router(sticky_keys=100, sticky_keys_per_client=3)
+    router.choose([0, 0], [0.0, 5.0], 40, BLOCK, routing_key="alice:episode")
+    for i in range(50):
+        router.choose([0, 0], [5.0, 0.0], 40, BLOCK, routing_key=f"mallory:{i}")
+    assert "alice:episode" in router._sticky
+    assert [k for k in router._sticky if k.startswith("mallory:")] == [
+        "mallory:47", "mallory:48", "mallory:49"
+    ]  # fmt: skip
+    decision = router.choose([0, 0], [1.0, 0.0], 40, BLOCK, routing_key="alice:episode")
+    assert (decision.rank, decision.reason) == (0, "sticky")
+
+
 @pytest.mark.parametrize("matched", [None, [None, 3], [3, None]])
 def test_an_unsynced_index_falls_back_to_load_and_is_counted(matched):
     router = cache_router()

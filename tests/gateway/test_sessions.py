@@ -356,6 +356,24 @@ def test_prefix_queries_need_a_session_and_share_the_request_rate():
     assert isinstance(h.take(A)[-1], PrefixReply)
 
 
+def test_routing_keys_reach_the_engine_as_each_clients_own():
+    from codec import RequestOptions
+
+    h = TableHarness()
+    seen = []
+    prepare = h.table._prepare
+
+    def recording(engine_id, msg):
+        seen.append(msg.options.routing_key)
+        return prepare(engine_id, msg)
+
+    h.table._prepare = recording
+    for client in (A, B):
+        hello(h, client)
+        h.send(client, Generate("r", [5], options=RequestOptions(routing_key="ep:1")))
+    assert seen == [f"{A.hex()}:ep:1", f"{B.hex()}:ep:1"]
+
+
 def test_engine_death_errors_every_live_request_and_refuses_new_ones():
     h = TableHarness()
     hello(h, A)
