@@ -310,6 +310,9 @@ class MultimodalInputs:
 
     schemas: dict[str, ModalitySchema]
     model_dtype: Any  # torch dtype floating tensors are cast to, as vLLM's processor does
+    # Items per prompt and modality the engine was started for (--limit-mm-per-prompt):
+    # vLLM's own frontend refuses more, and its encoder budget counts on it.
+    per_prompt: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, processor: Any, model_config: Any) -> MultimodalInputs:
@@ -324,7 +327,13 @@ class MultimodalInputs:
                 for name in _rows_dropped_when_zero(model_config):
                     if name in schemas["image"].keys:
                         schemas["image"].keys[name].nonzero_rows = True
-        return cls(schemas, model_config.dtype)
+        mm_config = getattr(model_config, "multimodal_config", None)
+        per_prompt = {
+            modality: mm_config.get_limit_per_prompt(modality)
+            for modality in schemas
+            if mm_config is not None
+        }
+        return cls(schemas, model_config.dtype, per_prompt)
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -349,6 +358,13 @@ class MultimodalInputs:
         kwargs: dict[str, list[Any]] = {}
         hashes: dict[str, list[str]] = {}
         placeholders: dict[str, list[Any]] = {}
+        for modality, limit in self.per_prompt.items():
+            count = sum(item.modality == modality for item in items)
+            if count > limit:
+                raise RequestRejected(
+                    f"multimodal holds {count} {modality} items; the engine takes at most"
+                    f" {limit} per prompt (--limit-mm-per-prompt)"
+                )
         for index, item in enumerate(items):
             where = f"multimodal[{index}]"
             schema = self.schemas.get(item.modality)

@@ -205,6 +205,7 @@ def _bad_items(prompt: list[int], item: MultimodalItem):
     )
     end = item.offset + item.length
     doubled = [*prompt[:end], *prompt[item.offset : end], *prompt[end:]]  # the range twice
+    five = [*prompt[:end], *prompt[item.offset : end] * 4, *prompt[end:]]  # ENGINE allows 4
     one_less = list(item.is_embed)
     one_less[one_less.index(True)] = False
     return [
@@ -249,6 +250,9 @@ def _bad_items(prompt: list[int], item: MultimodalItem):
          [rep(item, length=2 * item.length, is_embed=[False] * item.length + item.is_embed)],
          invalid, ["is_embed leaves it out"]),
         ("too many", prompt, [item] * 17, invalid, ["max_multimodal_items"]),
+        ("over the engine's per-prompt limit", five,
+         [rep(item, offset=item.offset + k * item.length) for k in range(5)], invalid,
+         ["5 image items", "at most 4 per prompt"]),
     ]  # fmt: skip
 
 
