@@ -363,9 +363,16 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
         if args.routing == "cache":
             enable_kv_events(engine_args)
         count = args.gateway_count
-        return engine_args, engine_config(engine_args, count, -1 if count > 1 else 0)
+        config = engine_config(engine_args, count, -1 if count > 1 else 0)
     except Exception as exc:  # vLLM's own words for a model or flag it cannot use
         raise UsageError(None, f"engine configuration: {_first_sentence(exc)}") from None
+    if args.routing == "cache" and not config.cache_config.enable_prefix_caching:
+        raise UsageError(
+            "--routing",
+            "cache routes by the engines' prefix caches, and prefix caching is off"
+            " (--no-enable-prefix-caching): use load",
+        )
+    return engine_args, config
 
 
 def _first_sentence(exc: Exception) -> str:
