@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+_HTTP_FOLDER = "/dev/shm/eg-bench-http-weights"  # vLLM's server alone: the bench names it
 _TRANSFER_FLAGS = ("--weight-transfer-config", '{"backend": "cpu"}')
 
 
@@ -91,6 +92,7 @@ async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str, http
             result["vllm-http"] = rows[1:]
         finally:
             await target.stop()
+            shutil.rmtree(_HTTP_FOLDER, ignore_errors=True)
     return result
 
 
@@ -146,7 +148,7 @@ def _http_round(base: str, tensors: list, bucket_bytes: int, round_: int) -> dic
 
     http = HTTPVLLMWeightSyncClient(base, timeout=600)
     # No gateway here: the operator (this bench) names a private folder to vLLM directly.
-    folder = os.path.join("/dev/shm", "eg-bench-http-weights")
+    folder = _HTTP_FOLDER
     os.makedirs(folder, mode=0o700, exist_ok=True)
     if round_ == 0:
         http.init_weight_transfer_engine({"directory": folder})

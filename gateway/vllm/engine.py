@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from copy import copy
 from typing import Any
 
@@ -30,7 +30,7 @@ from .args import cpu_attention_isa, engine_config
 from .deaths import death_report
 from .failures import engine_death_named as _engine_death_named
 from .failures import engine_failure as _engine_failure
-from .failures import vllm_failure_text
+from .failures import files_call as _files_call
 from .launch import EngineGroup, describe_exit, exiting, watch_output_socket
 from .multimodal import MultimodalInputs
 from .outputs import ConvertedOutput, stopping_eos_token_ids, to_wire_logprobs
@@ -62,21 +62,6 @@ _GATEWAY_LORA_IDS = 1_000_000  # LoRA ids each gateway of a group has for LoadLo
 
 class LoraModuleRefused(Exception):
     """A ``--lora-module`` adapter vLLM could not load at start; the message names it."""
-
-
-async def _files_call(operation: str, call: Awaitable[Any], engine_pids: Iterable[int] = ()) -> Any:
-    """An engine call that loads files the caller named (weights, an adapter). vLLM's refusal
-    is the caller's: ``RequestRejected`` (INVALID_REQUEST) with vLLM's words, less its
-    pointer to a stack trace only the gateway's log has; a dead engine is ``EngineDead``."""
-    try:
-        with _engine_death_named(engine_pids):
-            return await call
-    except EngineDead:
-        raise
-    except Exception as exc:
-        text = vllm_failure_text(exc)
-        logger.warning("%s refused: %s", operation, text)
-        raise RequestRejected(f"{operation} failed: {text}") from exc
 
 
 def _every_layer_reloaded(results: Any) -> bool:

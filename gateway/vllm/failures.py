@@ -6,14 +6,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Iterable, Iterator
+from typing import Any
 
-from ..errors import EngineDead
+from ..errors import EngineDead, RequestRejected
 from .deaths import death_report
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["engine_death_named", "engine_failure", "vllm_failure_text"]
+__all__ = ["engine_death_named", "engine_failure", "files_call", "vllm_failure_text"]
 
 
 def engine_failure(exc: BaseException, engine_pids: Iterable[int] = ()) -> EngineDead:
@@ -61,3 +62,19 @@ def vllm_failure_text(exc: BaseException) -> str:
         if match := pattern.fullmatch(text):
             text = match["text"]
     return text
+
+
+async def files_call(operation: str, call: Awaitable[Any], engine_pids: Iterable[int] = ()) -> Any:
+    """An engine call whose input the caller named (weights, an adapter, a transfer map).
+    vLLM's refusal is the caller's: ``RequestRejected`` (INVALID_REQUEST) with vLLM's words,
+    less its pointer to a stack trace only the gateway's log has; a dead engine is
+    ``EngineDead``."""
+    try:
+        with engine_death_named(engine_pids):
+            return await call
+    except EngineDead:
+        raise
+    except Exception as exc:
+        text = vllm_failure_text(exc)
+        logger.warning("%s refused: %s", operation, text)
+        raise RequestRejected(f"{operation} failed: {text}") from exc

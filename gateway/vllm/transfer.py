@@ -17,7 +17,7 @@ from codec import ErrorCode
 
 from ..errors import EngineDead, RequestRejected, WeightsIncomplete
 from ..weight_buffers import WeightBufferFolder
-from .failures import engine_death_named, engine_failure, vllm_failure_text
+from .failures import engine_death_named, engine_failure, files_call, vllm_failure_text
 from .weight_updates import REFUSED
 
 logger = logging.getLogger(__name__)
@@ -153,14 +153,8 @@ class WeightTransferControls:
 
     async def _checked_weight_call(self, method: str, kwargs: dict[str, Any]) -> None:
         """``_weight_call`` whose refusal by vLLM (a bad map) is the caller's mistake."""
-        try:
-            await self._weight_call(method, kwargs)
-        except EngineDead:
-            raise
-        except Exception as exc:
-            text = vllm_failure_text(exc)
-            logger.warning("%s refused: %s", method, text)
-            raise RequestRejected(f"{method} failed: {text}") from None
+        call = self._client.call_utility_all_async("collective_rpc", method, None, (), kwargs)
+        await files_call(method, call, self._engine_pids)
 
     def _require_transfer(self) -> None:
         if self._vllm_config.weight_transfer_config is None:
