@@ -298,3 +298,47 @@ def test_items_named_by_hash_count_against_the_request_bytes():
     assert "96 bytes with the items named by hash" in refused.message
     (alone,) = s.resolve(1, [bare("h1")], len(PROMPT))
     assert alone.tensors is not None
+
+
+def test_the_boundaries_that_mutants_moved_unseen():
+    """Issue 51's surviving mutants: each boundary tried from both sides."""
+    s = store(max_items=2, max_item_bytes=32, max_request_bytes=64)
+    # An item may end exactly at the prompt's end; one token past is refused.
+    end = len(PROMPT) - 4
+    assert s.resolve(1, [item("e", offset=end)], len(PROMPT))
+    assert "past the prompt" in problem(s, [item("e", offset=end + 1)]).message
+    # max_items items are fine, one more is not.
+    assert len(s.resolve(1, [item("a"), item("b", offset=6)], len(PROMPT))) == 2
+    three = [item("a"), item("b", offset=6), item("c", offset=11)]
+    assert "max_multimodal_items is 2" in problem(s, three, prompt=PROMPT + [6] * 8).message
+    # Exactly max_item_bytes is fine, one element more is not.
+    assert s.resolve(1, [item("x", size=32)], len(PROMPT))
+    assert "max_multimodal_item_bytes is 32" in problem(s, [item("x", size=36)]).message
+    # A mask that marks some positions (not all) is fine.
+    assert s.resolve(1, [item("m", is_embed=[False, True, True, False])], len(PROMPT))
+
+
+def test_the_content_id_covers_modality_dtype_and_shape_not_only_bytes():
+    base = item("h", fill=7)
+    t = base.tensors["pixel_values"]
+    others = [
+        msgspec.structs.replace(base, modality="video"),
+        msgspec.structs.replace(base, tensors={"pixel_values": Tensor("int32", t.shape, t.data)}),
+        msgspec.structs.replace(base, tensors={"pixel_values": Tensor(t.dtype, [2, 2], t.data)}),
+        msgspec.structs.replace(base, tensors={"other": t}),
+    ]
+    ids = {content_id(x) for x in [base, *others]}
+    assert len(ids) == 5
+
+
+def test_an_evicted_item_leaves_its_sessions_set_and_one_over_capacity_is_never_held():
+    s = store(capacity=32)
+    for name in ("a", "b"):
+        sent = [item(name)]
+        s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))
+    sent = [item("c")]
+    s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))  # evicts "a" (16 + 16 + 16 > 32)
+    assert s._sessions[1] == {"b", "c"} and s.held_bytes == 32
+    huge = [item("z", size=64)]
+    s.remember(1, huge, s.resolve(1, huge, len(PROMPT)))
+    assert "z" not in s._sessions[1] and s.held_bytes == 32
