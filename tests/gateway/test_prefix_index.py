@@ -121,3 +121,18 @@ def test_a_batch_that_cannot_be_applied_whole_resets_the_rank():
     rank = index.ranks[0]
     assert rank.resets == 1 and rank.last_seq is None and index.matched_blocks([1]) == [0]
     assert index.check_sequence(0, 2) == "next"
+
+
+def test_clear_all_and_removals_of_other_groups_and_the_latest_block_size():
+    """Issue 51's surviving mutants: clear_all doing nothing, BlockRemoved of another KV
+    cache group applied, the first event's block size kept."""
+    index = PrefixIndex(2)
+    index.apply(0, 0, batch(stored([1], block_size=4)))
+    index.apply(0, 1, batch({"type": "BlockRemoved", "block_hashes": [1], "group_idx": 1}))
+    assert index.matched_blocks([1]) == [1, 0]  # another group's removal: not this block
+    index.apply(1, 0, batch(stored([2], block_size=8), rank=1))
+    index.apply(0, 2, batch(stored([3], block_size=8)))
+    assert index.ranks[0].block_size == 8
+    index.clear_all()
+    assert index.matched_blocks([1]) == [0, 0] and index.matched_blocks([2]) == [0, 0]
+    assert index.size() == 0

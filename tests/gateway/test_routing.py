@@ -96,3 +96,23 @@ def test_load_ties_go_in_turn_as_vllm_rotates_them():
     # A turn passes only when a tie was broken by it: hits in between leave it.
     assert router.choose([0, 0, 2], [0.0, 0.0, 0.0], 100, BLOCK).rank == 2
     assert router.choose([0, 0, 0], [0.0, 0.0, 0.0], 40, BLOCK).rank == 1
+
+
+def test_tied_matches_go_to_the_less_loaded_then_in_turn():
+    """Issue 51's surviving mutants: ties ignoring load, no rotation among tied matches."""
+    router = cache_router()
+    assert router.choose([4, 4], [3.0, 1.0], 5 * BLOCK, BLOCK).rank == 1  # equal hits: load
+    first = router.choose([4, 4], [1.0, 1.0], 5 * BLOCK, BLOCK).rank
+    router.choose([0, 0], [1.0, 1.0], 5 * BLOCK, BLOCK)  # a load decision: the turn passes
+    second = router.choose([4, 4], [1.0, 1.0], 5 * BLOCK, BLOCK).rank
+    assert first != second  # equal hits, equal load: where the turn stands
+
+
+def test_a_match_beats_a_routing_key_and_a_guard_decision_moves_the_key():
+    router = cache_router(prefix_weight=100.0, guard_ratio=1.5, guard_slack=8.0)
+    router.choose([0, 0], [0.0, 1.0], 5 * BLOCK, BLOCK, routing_key="k")  # k -> rank 0
+    matched = router.choose([0, 4], [0.0, 1.0], 5 * BLOCK, BLOCK, routing_key="k")
+    assert (matched.rank, matched.reason) == (1, "matched")  # the cache, not the key
+    guarded = router.choose([4, 0], [30.0, 1.0], 5 * BLOCK, BLOCK, routing_key="k")
+    assert (guarded.rank, guarded.reason) == (1, "balance_guard")
+    assert router._sticky["k"] == 1  # the key follows where its request went
