@@ -8,8 +8,10 @@ with the same backend: /pause, /start_weight_update, /update_weights, /finish_we
     python -m bench.weight_update --model tiny --rounds 3
     python -m bench.weight_update --model llama-3.2-1b --rounds 3   # random weights, ~2.5 GB
 
-Each round: Pause(keep), the update, Resume, while nothing runs. In memory, split into
-start, transfer (write each bucket and UpdateWeights it) and finish; from disk, into
+Each round, while nothing runs: in memory, the update holding generation with keep (its
+hold ends with the update), from disk and over HTTP between Pause(keep) and Resume. In
+memory, split into start, transfer (write each bucket and UpdateWeights it) and finish;
+from disk, into
 writing the checkpoint (safetensors, to ``--disk-dir``) and ReloadWeights; over HTTP, as in
 memory. Results:
 ``bench/results/weight_update_<model>.md`` (and .json).
@@ -177,8 +179,9 @@ def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
         "",
         f"`python -m bench.weight_update --model {name} --rounds {args.rounds}`"
         f" (buckets of {args.bucket_bytes >> 20} MiB, checkpoint written to {args.disk_dir}),"
-        " medians after a round not counted; CPU engine, each update between Pause(keep) and"
-        " Resume; the gateway's rounds, then vLLM's server's (each alone on the machine).",
+        " medians after a round not counted; CPU engine; in memory the update holds generation"
+        " (keep) itself, from disk and over HTTP between Pause(keep) and Resume; the gateway's"
+        " rounds, then vLLM's server's (each alone on the machine).",
         "",
         "| path | total | parts |",
         "|---|---:|---|",
