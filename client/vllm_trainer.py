@@ -90,7 +90,7 @@ class CpuTrainerWeightTransferEngine(TrainerWeightTransferEngine[CpuTrainerInitI
                     self.client.update_weights(update_info)
             self.client.finish_weight_update(weight_version)
         except BaseException:
-            abandon = getattr(getattr(self.client, "client", None), "abandon_weight_update", None)
+            abandon = getattr(self.client, "abandon_weight_update", None)
             if abandon is not None:
                 with contextlib.suppress(Exception):
                     abandon()  # the gateway may have ended the update already

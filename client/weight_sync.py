@@ -83,9 +83,9 @@ class GatewayWeightSyncClient:
         self.last_result: dict[str, Any] | None = None  # the latest finish's result
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        result = self.client.init_weight_transfer_engine(init_info).result
-        if isinstance(result, dict) and isinstance(result.get("directory"), str):
-            self.directory = result["directory"]
+        reply = self.client.init_weight_transfer_engine(init_info)
+        with contextlib.suppress(ValueError):  # another backend names no folder
+            self.directory = buffer_folder(reply)
 
     def start_weight_update(self) -> None:
         self.client.start_weight_update()
@@ -105,6 +105,11 @@ class GatewayWeightSyncClient:
             and result.get("layers_updated", 0) < result.get("layers", 0)
         ):
             raise IncompleteWeightUpdate(result)
+
+    def abandon_weight_update(self) -> None:
+        """End the open update where it stands (beyond vLLM's protocol: a trainer that
+        fails part-way calls it so that the engine is not held until the stall timeout)."""
+        self.client.abandon_weight_update()
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.client.shutdown_weight_transfer_engine()
@@ -254,12 +259,11 @@ async def asend_weights(
             await client.update_weights(update_info)
         return await client.finish_weight_update(version)
     except BaseException:
-        await asyncio.to_thread(buckets.close)  # a bucket being written ends first
         with contextlib.suppress(Exception):
             await asyncio.wait_for(client.abandon_weight_update(), _ABANDON_TIMEOUT_S)
         raise
     finally:
-        await asyncio.to_thread(buckets.close)
+        await asyncio.to_thread(buckets.close)  # a bucket being written ends first
 
 
 def _check_pause(pause: str) -> None:

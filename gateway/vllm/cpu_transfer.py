@@ -163,7 +163,8 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
 
     def _check(self, info: CpuUpdateInfo) -> list[tuple[str, Any, list[int], int, int]]:
         """Each tensor's (name, dtype, shape, offset, bytes): a known dtype, an aligned
-        offset (names, shapes and dtypes against the checkpoint: ``check_chunk``, before).
+        offset (names, shapes and dtypes were checked before, by the worker's guard:
+        ``weight_updates.check_chunk``).
         Raises ValueError naming the first that does not fit."""
         import torch
 
@@ -174,10 +175,6 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
             dtype = getattr(torch, str(dtype_name), None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"{REFUSED}: tensor {name!r}: unknown dtype {dtype_name!r}")
-            if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-                raise ValueError(
-                    f"{REFUSED}: tensor {name!r}: shape {shape!r} is not a list of sizes"
-                )
             itemsize = torch.empty((), dtype=dtype).element_size()
             if not isinstance(offset, int) or offset < 0 or offset % itemsize:
                 raise ValueError(
@@ -186,9 +183,6 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
                 )
             checked.append((name, dtype, shape, offset, math.prod(shape) * itemsize))
         return checked
-
-    def release_update(self) -> None:
-        """Nothing of an update is held here (chunks are copied); kept for the guard."""
 
     def _close_folder(self) -> None:
         if self._folder_fd is not None:

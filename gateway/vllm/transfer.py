@@ -153,8 +153,7 @@ class WeightTransferControls:
 
     async def _checked_weight_call(self, method: str, kwargs: dict[str, Any]) -> None:
         """``_weight_call`` whose refusal by vLLM (a bad map) is the caller's mistake."""
-        call = self._client.call_utility_all_async("collective_rpc", method, None, (), kwargs)
-        await files_call(method, call, self._engine_pids)
+        await files_call(method, self._weight_call(method, kwargs), self._engine_pids)
 
     def _require_transfer(self) -> None:
         if self._vllm_config.weight_transfer_config is None:

@@ -298,15 +298,12 @@ def _unfed_layers(plan: UpdatePlan | None, received: set[str]) -> list[str]:
 
 def _end(worker: Any, model: Any) -> None:
     """End the worker's open update where it stands: unfinished layers get their old
-    tensors back; the transfer engine lets go of what it holds for the update."""
+    tensors back (the copies they held go with them)."""
     abandon_reload(model)
     worker._weight_update_active = False
     engine = worker.weight_transfer_engine
     if engine is not None:
         engine.reset_weight_update_target()
-        release = getattr(engine, "release_update", None)
-        if release is not None:
-            release()
 
 
 def _counting(progress: _Progress) -> contextlib.AbstractContextManager[None]:
