@@ -76,6 +76,7 @@ from .messages import (
     UpdateWeights,
     WakeUp,
     WeightVersionSpan,
+    wire_type,
 )
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "encode_payload",
     "decode_client",
     "decode_server",
+    "wire_type",
     "prompt_too_long",
     "TokenId",
     "FinishReason",

@@ -8,12 +8,15 @@ ProtocolError with one ErrorCode per failure. Nothing here touches a socket.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from .bounds import bounded_client_message
 from .errors import ProtocolError
 from .messages import (
     CLIENT_TAGS,
@@ -89,11 +92,15 @@ def decode_client(
     frames: Sequence[Buffer],
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     max_prompt_tokens: int | None = None,
+    max_multimodal_items: int | None = None,
 ) -> ClientMessage:
     """Decode a client's frames (identity already removed) into a ClientMessage.
 
     With ``max_prompt_tokens``, a Generate whose prompt array is longer is
-    refused from its first bytes, before the costly decode of the whole frame.
+    refused from its first bytes, before the costly decode of the whole frame,
+    and so is any placeholder mask (``is_embed``) or PrefixQuery prompt that is
+    longer, and (with ``max_multimodal_items``) a Generate with more items:
+    ``Error(INVALID_REQUEST)`` from the list's header, before its elements.
 
     Raises:
         ProtocolError: the peer's fault; its ``code`` says which rule broke and
@@ -112,8 +119,13 @@ def decode_client(
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST, prompt_too_long(head[1], max_prompt_tokens), head[0]
             )
+    decoder = (
+        _client_decoder
+        if max_prompt_tokens is None
+        else _bounded_decoder(max_prompt_tokens, max_multimodal_items)
+    )
     try:
-        return _client_decoder.decode(payload)
+        return decoder.decode(payload)
     except msgspec.ValidationError as exc:
         raise _translate_validation(exc, payload) from None
     except msgspec.DecodeError as exc:
@@ -124,6 +136,15 @@ def decode_client(
         raise ProtocolError(
             ErrorCode.MALFORMED, f"a string is not valid UTF-8: {exc}", *_peek_head(payload)
         ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _bounded_decoder(max_prompt_tokens: int, max_multimodal_items: int | None) -> Any:
+    items = _UNBOUNDED if max_multimodal_items is None else max_multimodal_items
+    return msgspec.msgpack.Decoder(bounded_client_message(max_prompt_tokens, items))
+
+
+_UNBOUNDED = 2**31
 
 
 def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
@@ -143,12 +164,37 @@ def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
         raise ProtocolError(ErrorCode.MALFORMED, f"gateway payload is not msgpack: {exc}") from None
 
 
-def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> ProtocolError:
-    """Rewrite a msgspec validation error into field names and an ErrorCode."""
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """What an error message needs of a message that failed to decode: its top array's
+    length (None: not an array), its tag, and its request id or call id where readable."""
+
+    length: int | None
+    tag: Any
+    request_id: str | None
+    call_id: int | None
+
+
+_FULL_PEEK_BYTES = 1 << 20  # above this, an error reads headers only (never every element)
+
+
+def _head(payload: Buffer) -> _Head | None:
+    """The head of a message that failed validation; None if it is not one msgpack value."""
+    if len(payload) > _FULL_PEEK_BYTES:
+        try:
+            length = _Reader(payload).array()
+            reader = _Reader(payload)
+            reader.array()
+            tag = reader.integer() if length else None
+        except IndexError:
+            return _Head(None, None, None, None)
+        return _Head(length, tag, *_peek_head(payload))
     raw = _peek(payload)
     if raw is _NOT_MSGPACK:  # e.g. a value followed by trailing bytes
-        return ProtocolError(ErrorCode.MALFORMED, "payload is not one msgpack value")
-    tag = raw[0] if isinstance(raw, list) and raw else None
+        return None
+    if not isinstance(raw, list):
+        return _Head(None, None, None, None)
+    tag = raw[0] if raw else None
     cls = CLIENT_TAGS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
     request_id = call_id = None
     if cls is Generate and len(raw) > 1 and isinstance(raw[1], str):
@@ -158,10 +204,30 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
         value = raw[position] if len(raw) > position else None
         if isinstance(value, int) and not isinstance(value, bool):
             call_id = value
+    return _Head(len(raw), tag, request_id, call_id)
+
+
+_LENGTH_BOUND = re.compile(r"^Expected `array` of length <= (\d+)")
+# Lists bounded by a gateway limit (codec.bounds): past it, the request is refused by name.
+_BOUNDED_LISTS = {
+    ("Generate", "multimodal", ""): "max_multimodal_items",
+    ("PrefixQuery", "prompt_token_ids", ""): "max_prompt_tokens",
+}
+_BOUNDED_MASK = re.compile(r"^\[\d+\]\.is_embed$")
+
+
+def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> ProtocolError:
+    """Rewrite a msgspec validation error into field names and an ErrorCode."""
+    head = _head(payload)
+    if head is None:
+        return ProtocolError(ErrorCode.MALFORMED, "payload is not one msgpack value")
+    tag = head.tag
+    cls = CLIENT_TAGS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
+    request_id, call_id = head.request_id, head.call_id
     text = str(exc)
     match = _PATH.search(text)
     if cls is None:
-        if isinstance(raw, list) and raw:
+        if head.length:
             return ProtocolError(
                 ErrorCode.UNKNOWN_MESSAGE,
                 f"unknown message tag {tag!r}; known client tags: {sorted(CLIENT_TAGS)}",
@@ -174,8 +240,8 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
     if match is None:
         # Root shape: too few items means a missing required field.
         required = [f for f, d in zip(cls.__struct_fields__, _defaults(cls), strict=True) if d]
-        if isinstance(raw, list) and len(raw) - 1 < len(required):
-            missing = ", ".join(required[len(raw) - 1 :])
+        if head.length is not None and head.length - 1 < len(required):
+            missing = ", ".join(required[head.length - 1 :])
             return ProtocolError(
                 ErrorCode.INVALID_MESSAGE,
                 f"{name}: missing required field(s) {missing}",
@@ -191,6 +257,19 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
         fields = cls.__struct_fields__
         position = int(index) - 1
         field = fields[position] if position < len(fields) else f"[{index}]"
+    bound = _LENGTH_BOUND.match(where)
+    if bound is not None and not in_key:
+        limit = _BOUNDED_LISTS.get((name, field, rest))
+        if limit is None and name == "Generate" and field == "multimodal":
+            limit = "max_prompt_tokens" if _BOUNDED_MASK.match(rest) else None
+        if limit is not None:
+            return ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"{name}.{field}{rest} holds more than {bound.group(1)} entries; {limit} is"
+                f" {bound.group(1)}",
+                request_id,
+                call_id,
+            )
     return ProtocolError(
         ErrorCode.INVALID_MESSAGE, f"{name}.{field}{rest}: {where}", request_id, call_id
     )

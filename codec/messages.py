@@ -25,6 +25,9 @@ __all__ = [
     "RequestOptions",
     "TENSOR_DTYPE_SIZES",
     "FLOATING_DTYPES",
+    "MAX_TENSOR_DIMS",
+    "MAX_ITEM_TENSORS",
+    "wire_type",
     "Tensor",
     "MultimodalItem",
     "Hello",
@@ -212,6 +215,8 @@ TENSOR_DTYPE_SIZES = {
     "bool": 1,
 }
 FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+MAX_TENSOR_DIMS = 16  # dims of one Tensor's shape (vLLM's processors make at most 5)
+MAX_ITEM_TENSORS = 64  # tensors of one MultimodalItem (a processor makes a handful)
 
 
 class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -221,7 +226,7 @@ class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     the gateway decodes it as a view into the received frame, without a copy."""
 
     dtype: Annotated[str, Meta(min_length=1, max_length=16)]
-    shape: list[Annotated[int, Meta(ge=0)]]
+    shape: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_TENSOR_DIMS)]
     data: memoryview
 
 
@@ -240,7 +245,13 @@ class MultimodalItem(
     offset: Annotated[int, Meta(ge=0)]
     length: Annotated[int, Meta(ge=1)]
     is_embed: list[bool] | None = None
-    tensors: dict[Annotated[str, Meta(min_length=1, max_length=128)], Tensor] | None = None
+    tensors: (
+        Annotated[
+            dict[Annotated[str, Meta(min_length=1, max_length=128)], Tensor],
+            Meta(max_length=MAX_ITEM_TENSORS),
+        ]
+        | None
+    ) = None
 
 
 # ---------------------------------------------------------------- client -> gateway
@@ -575,6 +586,10 @@ class Limits(msgspec.Struct, frozen=True, gc=False):
     max_multimodal_item_bytes: int = 0
     max_multimodal_request_bytes: int = 0
     multimodal_cache_bytes: int = 0
+    # Tensor bytes (as the engine holds them) of accepted requests not yet finished: per
+    # client, and in all (over either: Overloaded).
+    max_multimodal_bytes_in_flight_per_client: int = 0
+    max_multimodal_bytes_in_flight: int = 0
 
 
 class Logprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -797,4 +812,14 @@ ServerMessage = (
 )
 
 CLIENT_TAGS = {cls.__struct_config__.tag: cls for cls in ClientMessage.__args__}
+_WIRE_TYPES = frozenset(CLIENT_TAGS.values())
+
+
+def wire_type(msg: msgspec.Struct) -> type:
+    """The wire struct ``msg`` is (a message decoded under a gateway's bounds is a
+    subclass of it: codec.bounds)."""
+    cls = type(msg)
+    return cls if cls in _WIRE_TYPES else CLIENT_TAGS[cls.__struct_config__.tag]
+
+
 SERVER_TAGS = {cls.__struct_config__.tag: cls for cls in ServerMessage.__args__}

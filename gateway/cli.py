@@ -189,6 +189,18 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         help="MiB of tensors in one request's items (the frame limit grows with it)",
     )
     g.add_argument(
+        "--max-multimodal-in-flight-mb",
+        type=bounded(float, 0),
+        default=defaults.max_multimodal_bytes_in_flight / 2**20,
+        help="MiB of tensors (as the engine holds them) of all unfinished requests",
+    )
+    g.add_argument(
+        "--max-multimodal-in-flight-per-client-mb",
+        type=bounded(float, 0),
+        default=defaults.max_multimodal_bytes_in_flight_per_client / 2**20,
+        help="MiB of tensors of one client's unfinished requests",
+    )
+    g.add_argument(
         "--multimodal-cache-mb",
         type=bounded(float, 0),
         default=defaults.multimodal_cache_bytes / 2**20,
@@ -226,6 +238,12 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         default=None,
         metavar="DIR",
         help="with --curve-secret-key: directory of allowed client public keys",
+    )
+    g.add_argument(
+        "--cache-isolation",
+        action="store_true",
+        help="with CURVE: each client key's prefix cache is its own (the gateway adds the key"
+        " to every request's cache salt), so no client hits or probes another's prompts",
     )
     control = g.add_mutually_exclusive_group()
     control.add_argument(
@@ -284,6 +302,14 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         " exceeds RATIO * least + SLACK (default %(default)s)",
     )
     g.add_argument(
+        "--routing-max-blocks",
+        type=bounded(int, 1, 1 << 24),
+        default=RoutingConfig.max_prefix_blocks,
+        metavar="N",
+        help="cache: prompt blocks hashed at most to match a request or PrefixQuery (the"
+        " gateway's work per request; ranks holding more tie, and load decides)",
+    )
+    g.add_argument(
         "--metrics-port",
         type=bounded(int, 0, 65535),
         default=None,
@@ -338,6 +364,10 @@ def _check_gateway_flags(argv: list[str]) -> None:
         raise UsageError("--metrics-port", "port + gateway count exceeds 65535")
     check_curve_files(args.curve_secret_key, args.curve_allow_dir)
     check_control_keys(args.control_key, args.curve_secret_key is not None)
+    if args.cache_isolation and args.curve_secret_key is None:
+        raise UsageError(
+            "--cache-isolation", "needs --curve-secret-key (the client keys it isolates)"
+        )
     for name, path in args.lora_module:
         if not Path(path).exists():
             raise UsageError("--lora-module", f"{name}={path}: no such folder")

@@ -12,13 +12,14 @@ placeholder ranges inside the prompt. Model checks are the engine adapter's
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-from codec import TENSOR_DTYPE_SIZES, ErrorCode, MultimodalItem, Tensor
+from codec import TENSOR_DTYPE_SIZES, ErrorCode, ItemSchema, MultimodalItem, Tensor
 
 __all__ = [
     "ItemProblem",
@@ -65,15 +66,13 @@ def _check_tensor(where: str, name: str, tensor: Tensor, item_limit: int) -> Non
             f"{where}: tensors[{name!r}].dtype {tensor.dtype!r} is not one of"
             f" {', '.join(TENSOR_DTYPE_SIZES)}",
         )
-    count = 1
-    for dim in tensor.shape:
-        count *= dim
-        if count * size > item_limit:
-            raise ItemProblem(
-                ErrorCode.INVALID_REQUEST,
-                f"{where}: tensors[{name!r}] of shape {tensor.shape} exceeds"
-                f" max_multimodal_item_bytes ({item_limit})",
-            )
+    count = math.prod(tensor.shape)  # at most 16 dims (the codec): a small big int at worst
+    if count * size > item_limit:
+        raise ItemProblem(
+            ErrorCode.INVALID_REQUEST,
+            f"{where}: tensors[{name!r}] of shape {tensor.shape} exceeds"
+            f" max_multimodal_item_bytes ({item_limit})",
+        )
     if len(tensor.data) != count * size:
         raise ItemProblem(
             ErrorCode.INVALID_REQUEST,
@@ -119,7 +118,11 @@ class MultimodalStore:
         max_items: int,
         max_item_bytes: int,
         max_request_bytes: int,
+        schemas: Mapping[str, ItemSchema] | None = None,
     ):
+        """``schemas``: per modality, the dtypes the engine holds each tensor in (integer
+        ones are widened to the processor's, floating ones cast to the model's)."""
+        self.schemas = dict(schemas or {})
         self.capacity_bytes = capacity_bytes
         self.max_items = max_items
         self.max_item_bytes = max_item_bytes
@@ -222,14 +225,33 @@ class MultimodalStore:
             full = msgspec.structs.replace(item, hash=content_id(item))
             in_request[item.hash] = _Entry(full, nbytes)
             resolved.append(full)
-        engine_bytes = tensor_bytes(resolved)  # items by hash count too: the engine gets them
+        # Items by hash count too, and tensors as wide as the engine holds them.
+        engine_bytes = self.engine_bytes(resolved)
         if engine_bytes > self.max_request_bytes:
             raise ItemProblem(
                 ErrorCode.INVALID_REQUEST,
-                f"multimodal tensors hold {engine_bytes} bytes with the items named by hash;"
-                f" max_multimodal_request_bytes is {self.max_request_bytes}",
+                f"multimodal tensors hold {engine_bytes} bytes as the engine takes them"
+                " (items named by hash included, integer tensors widened to the model's"
+                f" dtype); max_multimodal_request_bytes is {self.max_request_bytes}",
             )
         return resolved
+
+    def engine_bytes(self, items: Sequence[MultimodalItem]) -> int:
+        """Bytes of the tensors of resolved ``items`` as the engine holds them: each at
+        least as received, and more where the model's dtype is wider (a 0/1 mask sent as
+        ``uint8`` for an ``int64`` tensor takes 8 bytes an element)."""
+        total = 0
+        for item in items:
+            schema = self.schemas.get(item.modality)
+            for name, tensor in (item.tensors or {}).items():
+                received = len(tensor.data)
+                spec = schema.tensors.get(name) if schema is not None else None
+                if spec is None or spec.dtype not in TENSOR_DTYPE_SIZES:
+                    total += received
+                    continue
+                elements = received // TENSOR_DTYPE_SIZES[tensor.dtype]
+                total += max(received, elements * TENSOR_DTYPE_SIZES[spec.dtype])
+        return total
 
     def remember(
         self,

@@ -15,7 +15,7 @@ No vLLM import: events are decoded here from their msgpack form (vLLM's ``EventB
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -52,6 +52,10 @@ class RankIndex:
     # None after a reset (the next batch, whatever its number, starts over).
     last_seq: int | None = -1
     synced: bool = True  # every batch since the start or the last reset applied
+    # The gateway reset the rank's prefix cache (clear_all) and the rank's own
+    # AllBlocksCleared has not come yet: blocks stored in batches still on their way from
+    # before the reset are gone, and are not taken in.
+    awaiting_clear: bool = False
     block_size: int | None = None  # from its BlockStored events
     events: int = 0
     gaps: int = 0  # sequence jumps forward (batches lost)
@@ -104,6 +108,8 @@ class PrefixIndex:
             index.events += 1
             kind = event.get("type")
             if kind == "BlockStored":
+                if index.awaiting_clear:
+                    continue  # published before the reset the gateway made
                 if event.get("group_idx") not in (None, 0):
                     continue  # hybrid models: route on the first KV cache group only
                 if event.get("medium") not in (None, "GPU"):
@@ -134,6 +140,7 @@ class PrefixIndex:
                         blocks.pop(key, None)
             elif kind == "AllBlocksCleared":
                 index.blocks.clear()
+                index.awaiting_clear = False
 
     def note_gap(self, rank: int) -> None:
         """Batches before the one in hand were lost: unsynced until refilled or reset."""
@@ -152,6 +159,7 @@ class PrefixIndex:
         index.blocks.clear()
         index.last_seq = None
         index.synced = True
+        index.awaiting_clear = False  # a new stream: it has no clear of ours to send
         if restarted:
             index.restarts += 1
         else:
@@ -159,27 +167,32 @@ class PrefixIndex:
 
     def clear_all(self) -> None:
         """Every rank's cache was reset (the gateway's own ResetPrefixCache): as an
-        AllBlocksCleared on each, which vLLM publishes only with its next step."""
+        AllBlocksCleared on each, which vLLM publishes only with its next step. Until that
+        event comes, stored blocks of batches published before the reset (still on their
+        way, or replayed) are not taken in: they would undo the clear."""
         for index in self.ranks:
             index.blocks.clear()
+            index.awaiting_clear = True
 
     # ------------------------------------------------------------ queries
 
-    def matched_blocks(self, hashes: Sequence[BlockHash]) -> list[int | None]:
+    def matched_blocks(
+        self, hashes: Iterable[BlockHash], max_blocks: int | None = None
+    ) -> list[int | None]:
         """Per rank: how many of ``hashes`` (a prompt's chained block hashes, in order)
-        it holds as a prefix, or None where the rank is unsynced (do not route on it)."""
-        out: list[int | None] = []
-        for index in self.ranks:
-            if not index.synced:
-                out.append(None)
-                continue
-            blocks = index.blocks
-            matched = 0
-            for h in hashes:
-                if h not in blocks:
-                    break
-                matched += 1
-            out.append(matched)
+        it holds as a prefix, or None where the rank is unsynced (do not route on it).
+        Takes no hash past the first that no synced rank holds, nor past ``max_blocks``
+        (a lazy ``hashes`` is computed only that far)."""
+        out: list[int | None] = [0 if index.synced else None for index in self.ranks]
+        holding = [(rank, index.blocks) for rank, index in enumerate(self.ranks) if index.synced]
+        if not holding or max_blocks == 0:
+            return out
+        for taken, h in enumerate(hashes, 1):
+            holding = [(rank, blocks) for rank, blocks in holding if h in blocks]
+            for rank, _ in holding:
+                out[rank] += 1  # type: ignore[operator]
+            if not holding or taken == max_blocks:
+                break
         return out
 
     def size(self) -> int:

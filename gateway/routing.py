@@ -51,6 +51,10 @@ class RoutingConfig:
     guard_slack: float = 8.0
     sticky_keys: int = 100_000  # routing keys remembered (least recently used dropped)
     sticky_keys_per_client: int = 4096  # of one client's (its key's part before ":")
+    # Prompt blocks hashed to match one request or PrefixQuery, at most (each costs a few
+    # microseconds of the gateway's loop; matching stops sooner, at the first block no
+    # rank holds). Ranks that both hold more than this tie there, and load decides.
+    max_prefix_blocks: int = 2048
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -60,7 +64,13 @@ class RoutingConfig:
     def from_args(cls, args: Any) -> RoutingConfig:
         """From ``engine-gateway serve``'s --routing flags (an argparse Namespace)."""
         ratio, slack = args.routing_guard
-        return cls(args.routing, args.routing_prefix_weight, ratio, slack)
+        return cls(
+            args.routing,
+            args.routing_prefix_weight,
+            ratio,
+            slack,
+            max_prefix_blocks=args.routing_max_blocks,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +126,11 @@ class Router:
         start = self._next % self.ranks  # ties go in turn (a turn passes when used)
         order = [(start + i) % self.ranks for i in range(self.ranks)]
         least = min(order, key=lambda r: loads[r])
-        if matched is None or any(m is None for m in matched) or block_size <= 0:
+        if matched is None or all(m is None for m in matched) or block_size <= 0:
             self._next += 1
             return Decision(least, "fallback")
+        # An unsynced rank's blocks are unknown: counted as none (as after a reset), so
+        # the synced ranks' matches still place requests while one rank catches up.
         usable = [reusable_blocks(m or 0, prompt_len, block_size) for m in matched]
         blocks = max(1, prompt_len // block_size)
         weight = self.config.prefix_weight

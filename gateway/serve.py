@@ -81,6 +81,10 @@ def limits_from_args(
         max_multimodal_item_bytes=int(args.max_multimodal_item_mb * 2**20),
         max_multimodal_request_bytes=int(args.max_multimodal_request_mb * 2**20),
         multimodal_cache_bytes=int(args.multimodal_cache_mb * 2**20),
+        max_multimodal_bytes_in_flight=int(args.max_multimodal_in_flight_mb * 2**20),
+        max_multimodal_bytes_in_flight_per_client=int(
+            args.max_multimodal_in_flight_per_client_mb * 2**20
+        ),
     )
     return limits.for_model(max_model_len, multimodal)
 
@@ -145,6 +149,7 @@ async def run_gateway(
             listener=listener,
             control=_control_policy(args),
             weight_update_timeout_s=args.weight_update_timeout,
+            cache_isolation=args.cache_isolation,
             # Gateways of one group share the engines: their request ids must not collide.
             engine_id_prefix="g" if client_config is None else f"g{client_config['client_index']}.",
         )

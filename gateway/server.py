@@ -173,6 +173,7 @@ class Gateway:
         control: ControlPolicy = ControlPolicy(),
         engine_id_prefix: str = "g",
         weight_update_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        cache_isolation: bool = False,
     ):
         self.engine = engine
         self.control = control
@@ -196,6 +197,7 @@ class Gateway:
             engine_load=getattr(engine, "engine_load", None),
             engine_id_prefix=engine_id_prefix,
             prefix_query=getattr(engine, "prefix_query", None),
+            cache_isolation=cache_isolation,
         )
         self.addresses: list[str] = []
         self.ready = asyncio.Event()
@@ -268,6 +270,8 @@ class Gateway:
         table = self.table
         max_frame = self.limits.max_frame_bytes
         max_prompt = table.wire_limits.max_prompt_tokens
+        # A model without images refuses items as UNSUPPORTED (the table), not by count.
+        max_items = table.wire_limits.max_multimodal_items or None
         clock = time.perf_counter
         received = 0
         held_since = clock()
@@ -291,7 +295,7 @@ class Gateway:
             now = time.monotonic()
             try:
                 try:
-                    msg = decode_client(frames[1:], max_frame, max_prompt)
+                    msg = decode_client(frames[1:], max_frame, max_prompt, max_items)
                 except ProtocolError as exc:
                     effects = table.on_protocol_error(client_id, exc, now)
                 else:

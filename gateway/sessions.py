@@ -72,6 +72,7 @@ from codec import (
     StartWeightUpdate,
     WeightVersionSpan,
     prompt_too_long,
+    wire_type,
 )
 
 from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_request_id
@@ -119,6 +120,9 @@ class GatewayLimits:
     max_multimodal_item_bytes: int = 32 * 1024 * 1024
     max_multimodal_request_bytes: int = 64 * 1024 * 1024
     multimodal_cache_bytes: int = 1024 * 1024 * 1024  # items held for resending by hash
+    # Tensor bytes (as the engine holds them) of accepted requests not yet finished.
+    max_multimodal_bytes_in_flight_per_client: int = 1024 * 1024 * 1024
+    max_multimodal_bytes_in_flight: int = 4 * 1024 * 1024 * 1024
     default_heartbeat_interval_s: float = 5.0
     min_heartbeat_interval_s: float = 0.05
     max_heartbeat_interval_s: float = 300.0
@@ -209,6 +213,7 @@ class _Request:
     last_output_at: float = 0.0
     deadline_at: float | None = None
     stall_timeout_s: float | None = None
+    multimodal_bytes: int = 0  # its items' tensor bytes as the engine holds them
 
 
 @dataclass(slots=True)
@@ -224,6 +229,7 @@ class _Client:
     session_id: int = 0
     key: str | None = None  # the CURVE public key that opened it, when CURVE is on
     fresh: bool = True  # nothing but its Hello received yet (a repeated Hello keeps it)
+    multimodal_bytes: int = 0  # of its live requests (_Request.multimodal_bytes)
 
 
 class SessionTable:
@@ -238,10 +244,13 @@ class SessionTable:
         engine_load: Callable[[], list[EngineLoad]] | None = None,
         engine_id_prefix: str = "g",
         prefix_query: PrefixQueryFn | None = None,
+        cache_isolation: bool = False,
     ):
         """``engine_id_prefix``: engine request ids are PREFIX1, PREFIX2, ...; gateways
         sharing one engine group need distinct prefixes (vLLM refuses duplicate ids).
-        ``prefix_query``: the engine's answer to PrefixQuery (None: UNSUPPORTED)."""
+        ``prefix_query``: the engine's answer to PrefixQuery (None: UNSUPPORTED).
+        ``cache_isolation``: each client's prefix cache is its own (``_isolated``)."""
+        self.cache_isolation = cache_isolation
         self.info = info
         self._engine_load = engine_load or list
         self._prefix_query = prefix_query
@@ -259,6 +268,7 @@ class SessionTable:
         self._engine_id_prefix = engine_id_prefix
         self._by_engine_id: dict[str, tuple[_Request, _Sample]] = {}
         self._live_requests = 0
+        self._live_multimodal_bytes = 0  # of every live request (_Request.multimodal_bytes)
         self._live_samples = 0
         # Requests with a deadline or stall timeout, in acceptance order (a dict as an
         # ordered set: _Request hashes by identity).
@@ -281,6 +291,7 @@ class SessionTable:
                 limits.max_multimodal_items,
                 limits.max_multimodal_item_bytes,
                 limits.max_multimodal_request_bytes,
+                info.multimodal,
             )
             if info.modalities
             else None
@@ -303,6 +314,10 @@ class SessionTable:
             max_multimodal_item_bytes=limits.max_multimodal_item_bytes if mm else 0,
             max_multimodal_request_bytes=limits.max_multimodal_request_bytes if mm else 0,
             multimodal_cache_bytes=limits.multimodal_cache_bytes if mm else 0,
+            max_multimodal_bytes_in_flight_per_client=(
+                limits.max_multimodal_bytes_in_flight_per_client if mm else 0
+            ),
+            max_multimodal_bytes_in_flight=limits.max_multimodal_bytes_in_flight if mm else 0,
         )
         self._handlers: dict[type, Callable[[bytes, object, float], Effects]] = {
             Hello: self._on_hello,
@@ -357,7 +372,9 @@ class SessionTable:
                 client.name = msg.client_name
                 return Effects(replies=[(client_id, self._hello_ack(client))])
             client.fresh = False
-        effects = self._handlers[type(msg)](client_id, msg, now)
+        # A Generate or PrefixQuery decoded under the gateway's bounds is a subclass.
+        handler = self._handlers.get(type(msg)) or self._handlers[wire_type(msg)]
+        effects = handler(client_id, msg, now)
         if key is not None and type(msg) is Hello and client_id in self._clients:
             self._clients[client_id].key = key
         return effects
@@ -366,7 +383,7 @@ class SessionTable:
         if type(msg) is Ping:
             return Effects(replies=[(client_id, Pong(msg.nonce))])
         error = Error(
-            getattr(msg, "request_id", None) if type(msg) is Generate else None,
+            getattr(msg, "request_id", None) if isinstance(msg, Generate) else None,
             ErrorCode.UNAUTHORIZED,
             "this routing id's session was opened with another CURVE key; it is not yours"
             " to use or end (pick another routing id)",
@@ -603,6 +620,7 @@ class SessionTable:
         if problem is not None:
             return self._refuse(client_id, request_id, ErrorCode.INVALID_REQUEST, problem)
         submitted = msg
+        multimodal_bytes = 0
         if msg.multimodal:
             store = self.multimodal
             if store is None:
@@ -616,6 +634,10 @@ class SessionTable:
                 items = store.resolve(client.session_id, msg.multimodal, prompt_tokens)
             except ItemProblem as exc:
                 return self._refuse(client_id, request_id, exc.code, exc.message)
+            multimodal_bytes = store.engine_bytes(items)
+            refused = self._multimodal_over(client, client_id, request_id, multimodal_bytes)
+            if refused is not None:
+                return refused
             submitted = msgspec.structs.replace(msg, multimodal=items)
         if submitted.options is not None and submitted.options.routing_key is not None:
             # Each client's keys are its own: no client can re-point or evict another's.
@@ -623,6 +645,9 @@ class SessionTable:
             options = msgspec.structs.replace(
                 submitted.options, routing_key=f"{owner}:{submitted.options.routing_key}"
             )
+            submitted = msgspec.structs.replace(submitted, options=options)
+        if self.cache_isolation:
+            options = self._isolated(client, submitted.options)
             submitted = msgspec.structs.replace(submitted, options=options)
         engine_request_id = f"{self._engine_id_prefix}{next(self._engine_ids)}"
         try:
@@ -658,6 +683,10 @@ class SessionTable:
                     hold_back=msg.stream and sampling.hold_back_stop_sequences is not False,
                 )
         request = _Request(client_id, request_id, msg.stream, prompt_tokens, samples, n, now, now)
+        if multimodal_bytes:
+            request.multimodal_bytes = multimodal_bytes
+            client.multimodal_bytes += multimodal_bytes
+            self._live_multimodal_bytes += multimodal_bytes
         options = msg.options
         if options is not None and (options.deadline_s or options.stall_timeout_s):
             if options.deadline_s:
@@ -671,6 +700,43 @@ class SessionTable:
         self._live_samples += n
         self.stats.requests_accepted += 1
         return Effects(submit=list(prepared))
+
+    @staticmethod
+    def _isolated(client: _Client, options: RequestOptions | None) -> RequestOptions:
+        """``options`` with the cache salt the gateway enforces under cache isolation: the
+        client's CURVE key (its routing id without CURVE), then the client's own salt.
+        vLLM hashes the salt into every block, so no other key's request can hit (or
+        probe) these blocks. A key is 40 characters and an id hex digits: the ``/`` after
+        either ends it, so no client's own salt can pass for another client's."""
+        tenant = f"key:{client.key}" if client.key else f"id:{client.client_id.hex()}"
+        options = options or RequestOptions()
+        return msgspec.structs.replace(options, cache_salt=f"{tenant}/{options.cache_salt or ''}")
+
+    def _multimodal_over(
+        self, client: _Client, client_id: bytes, request_id: str, nbytes: int
+    ) -> Effects | None:
+        """Overloaded if ``nbytes`` more tensor bytes would put the client's live requests,
+        or all of them, over their bound (bytes the engine holds while they wait)."""
+        limits = self.wire_limits
+        per_client = limits.max_multimodal_bytes_in_flight_per_client
+        if client.multimodal_bytes + nbytes > per_client:
+            return self._overloaded(
+                client_id,
+                request_id,
+                "max_multimodal_bytes_in_flight_per_client",
+                per_client,
+                client.multimodal_bytes,
+            )
+        total = limits.max_multimodal_bytes_in_flight
+        if self._live_multimodal_bytes + nbytes > total:
+            return self._overloaded(
+                client_id,
+                request_id,
+                "max_multimodal_bytes_in_flight",
+                total,
+                self._live_multimodal_bytes,
+            )
+        return None
 
     def _check_gateway_fields(self, msg: Generate) -> str | None:
         """Checks of the fields the gateway (not vLLM) acts on; the problem, or None."""
@@ -800,8 +866,9 @@ class SessionTable:
             message = f"prompt_token_ids must hold 1 to {limit} ids, got {len(prompt)}"
             error = Error(None, ErrorCode.INVALID_REQUEST, message, call_id)
             return Effects(replies=[(client_id, error)])
+        options = self._isolated(client, msg.options) if self.cache_isolation else msg.options
         try:
-            matched, block_size, policy = self._prefix_query(prompt, msg.options)
+            matched, block_size, policy = self._prefix_query(prompt, options)
         except RequestRejected as exc:
             return Effects(replies=[(client_id, Error(None, exc.code, exc.message, call_id))])
         reply = PrefixReply(call_id, block_size, matched, policy)
@@ -1002,7 +1069,9 @@ class SessionTable:
             client = self._clients.get(request.client_id)
             if client is not None and client.requests.get(request.request_id) is request:
                 del client.requests[request.request_id]
+                client.multimodal_bytes -= request.multimodal_bytes
             self._live_requests -= 1
+            self._live_multimodal_bytes -= request.multimodal_bytes
             if request.deadline_at is not None or request.stall_timeout_s is not None:
                 self._timed.pop(request, None)
 

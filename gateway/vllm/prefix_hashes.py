@@ -17,7 +17,7 @@ and no gateway can reproduce those (``reproducible`` is False). Whatever the set
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["PrefixHasher"]
@@ -38,21 +38,37 @@ class PrefixHasher:
             self._hash_fn in non_crypto and os.getenv("PYTHONHASHSEED") is None
         )
         self.block_size = block_size or vllm_config.cache_config.block_size
-        self._hashers: dict[int, Any] = {}
 
     def block_hashes(self, core_request: Any, block_size: int | None = None) -> list[Any]:
         """The hashes of the request's full prompt blocks, in order (as events carry them)."""
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, maybe_convert_block_hash
+        return list(self.iter_block_hashes(core_request, block_size))
+
+    def iter_block_hashes(self, core_request: Any, block_size: int | None = None) -> Iterator:
+        """The same hashes, each computed only when it is taken: a caller that stops at the
+        first block no rank holds hashes no further (vLLM's ``get_request_block_hasher``
+        loop, which hashes the whole prompt at once, taken apart)."""
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            hash_block_tokens,
+            maybe_convert_block_hash,
+        )
         from vllm.v1.request import Request
 
         size = block_size or self.block_size
         if not size:
-            return []
-        hasher = self._hashers.get(size)
-        if hasher is None:
-            hasher = self._hashers[size] = get_request_block_hasher(size, self._hash_fn)
-        request = Request.from_engine_core_request(core_request, hasher)
-        return [maybe_convert_block_hash(h) for h in request.block_hashes]
+            return
+        request = Request.from_engine_core_request(core_request, None)
+        tokens = request.all_token_ids
+        parent = None
+        mm_index = 0
+        for start in range(0, request.num_tokens - size + 1, size):
+            extra_keys, mm_index = generate_block_hash_extra_keys(
+                request, start, start + size, mm_index
+            )
+            parent = hash_block_tokens(
+                self._hash_fn, parent, tokens[start : start + size], extra_keys
+            )
+            yield maybe_convert_block_hash(parent)
 
     def verify(self, published: Any, token_ids: Sequence[int], event_keys: Any) -> bool:
         """Does our hash of a prompt's first block (no LoRA: events leave out its path)

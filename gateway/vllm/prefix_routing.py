@@ -146,8 +146,9 @@ class PrefixRouting:
         block_size = index.block_size() or hasher.block_size or 0
         if not self._hashes_usable() or not block_size:
             return None, block_size
-        hashes = hasher.block_hashes(core_request, block_size)
-        return index.matched_blocks(hashes), block_size
+        hashes = hasher.iter_block_hashes(core_request, block_size)
+        limit = self.router.config.max_prefix_blocks if self.router is not None else None
+        return index.matched_blocks(hashes, limit), block_size
 
     def _hashes_usable(self) -> bool:
         """Our hashes are the engines' (checked on the first blocks they published)."""

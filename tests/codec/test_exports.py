@@ -18,6 +18,7 @@ EXPECTED_CODEC = {
     "encode_payload",
     "decode_client",
     "decode_server",
+    "wire_type",
     "prompt_too_long",
     "TokenId",
     "FinishReason",

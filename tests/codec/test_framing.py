@@ -7,7 +7,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codec import ErrorCode, Generate, ProtocolError, decode_client, encode
+from codec import (
+    ErrorCode,
+    Generate,
+    MultimodalItem,
+    PrefixQuery,
+    ProtocolError,
+    Tensor,
+    decode_client,
+    encode,
+    framing,
+    wire_type,
+)
 from codec.messages import CLIENT_TAGS
 
 V1 = b"\x01"
@@ -153,3 +164,51 @@ def test_a_bare_string_is_not_a_message():
     assert err.code is ErrorCode.INVALID_MESSAGE and "Expected `array`" in err.message
     err = decode_error([V1, b"\xa1\x80"])  # a root str that is not UTF-8: not msgpack
     assert err.code is ErrorCode.MALFORMED
+
+
+def _with_mask(mask_len: int, items: int = 1) -> list[bytes]:
+    item = MultimodalItem("image", "h", 0, mask_len, is_embed=[True] * mask_len)
+    return encode(Generate("r-mm", [1, 2, 3], multimodal=[item] * items))
+
+
+def test_lists_past_the_gateways_limits_are_refused_from_their_header(monkeypatch):
+    """A placeholder mask or PrefixQuery prompt over max_prompt_tokens, or more items than
+    max_multimodal_items, is INVALID_REQUEST naming the request and the limit; the
+    error path reads headers only for a large frame (never decodes every element)."""
+    limits = {"max_frame_bytes": 1 << 30, "max_prompt_tokens": 64, "max_multimodal_items": 2}
+    exc = decode_error(_with_mask(65), **limits)
+    assert exc.code is ErrorCode.INVALID_REQUEST and exc.request_id == "r-mm"
+    assert "multimodal[0].is_embed holds more than 64 entries; max_prompt_tokens" in str(exc)
+    exc = decode_error(_with_mask(4, items=3), **limits)
+    assert exc.code is ErrorCode.INVALID_REQUEST and exc.request_id == "r-mm"
+    assert "max_multimodal_items is 2" in str(exc)
+    exc = decode_error(encode(PrefixQuery(9, list(range(65)))), **limits)
+    assert exc.code is ErrorCode.INVALID_REQUEST and exc.call_id == 9
+    assert "max_prompt_tokens is 64" in str(exc)
+    # At the limits, all decode (and a decoded message is still the wire's type).
+    msg = decode_client(_with_mask(64, items=2), **limits)
+    assert isinstance(msg, Generate) and wire_type(msg) is Generate
+    assert len(msg.multimodal[1].is_embed) == 64
+    assert wire_type(decode_client(encode(PrefixQuery(9, [1] * 64)), **limits)) is PrefixQuery
+
+    def full_decode(payload):
+        raise AssertionError(f"a {len(payload)}-byte payload was decoded whole")
+
+    monkeypatch.setattr(framing, "_peek", full_decode)
+    big = _with_mask(2 << 20)
+    exc = decode_error(big, **limits)
+    assert exc.code is ErrorCode.INVALID_REQUEST and exc.request_id == "r-mm"
+
+
+def test_a_tensor_has_at_most_16_dims_and_an_item_64_tensors():
+    def generate(shape, names):
+        tensors = {n: Tensor("uint8", shape, memoryview(b"")) for n in names}
+        return encode(
+            Generate("r", [1], multimodal=[MultimodalItem("image", "h", 0, 1, None, tensors)])
+        )
+
+    assert decode_client(generate([0] * 16, ["a"] * 1)).multimodal[0].tensors["a"].shape == [0] * 16
+    for shape, names in (([0] * 17, ["a"]), ([0], [f"t{i}" for i in range(65)])):
+        exc = decode_error(generate(shape, names))
+        assert exc.code is ErrorCode.INVALID_MESSAGE and exc.request_id == "r"
+        assert "Generate.multimodal[0].tensors" in str(exc)

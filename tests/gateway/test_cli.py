@@ -99,6 +99,7 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
         (["--lora-module", "a=/no/such/adapter"], ["--lora-module", "/no/such/adapter"]),
         (["--control-key", "/tmp/k.key"], ["--control-key", "needs --curve-secret-key"]),
         (["--control-open", "--control-key", "k"], ["--control-key", "not allowed with"]),
+        (["--cache-isolation"], ["--cache-isolation", "needs --curve-secret-key"]),
         (["/nonexistent/model"], ["'/nonexistent/model'", "no such folder"]),
         (["./not-here"], ["'./not-here'"]),
         (["--gateway-count", "0"], ["--gateway-count", "between 1 and 64"]),

@@ -196,7 +196,7 @@ def _bad_items(prompt: list[int], item: MultimodalItem):
     zero_tile = msgspec.structs.replace(
         pv, data=bytes(pv.data[:tile]) + bytes(tile) + bytes(pv.data[2 * tile :])
     )
-    minus_zero = (b"\x00\x80" if pv.dtype in ("bfloat16", "float16") else b"\x00\x00\x00\x80")
+    minus_zero = b"\x00\x80" if pv.dtype in ("bfloat16", "float16") else b"\x00\x00\x00\x80"
     minus_zero_tile = msgspec.structs.replace(
         pv,
         data=bytes(pv.data[:tile])

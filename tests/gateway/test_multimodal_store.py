@@ -18,9 +18,11 @@ from codec import (
     Hello,
     ItemSchema,
     MultimodalItem,
+    Overloaded,
     Tensor,
     TensorSchema,
 )
+from gateway.fake_engine import FakeOutput
 from gateway.multimodal_store import ItemProblem, MultimodalStore, content_id
 from gateway.sessions import GatewayLimits
 from tests.helpers import FAKE_INFO, TableHarness
@@ -227,6 +229,41 @@ def wire_requests(draw):
     return items
 
 
+def expected_refusal(items, held: dict, prompt_len: int, max_item: int, max_request: int):
+    """The store's rules, written out on their own: None where ``items`` must be accepted
+    (``held``: hash -> bytes of the items the session holds), else (code, a fragment the
+    message must hold: the first item that breaks a rule, or the request limit)."""
+    invalid, unknown = ErrorCode.INVALID_REQUEST, ErrorCode.MULTIMODAL_ITEM_UNKNOWN
+    sent = sum(len(t.data) for item in items for t in (item.tensors or {}).values())
+    if sent > max_request:
+        return invalid, "max_multimodal_request_bytes"
+    end, earlier, total = -1, {}, 0
+    for index, item in enumerate(items):
+        where = f"multimodal[{index}]"
+        if item.offset + item.length > prompt_len or item.offset <= end:
+            return invalid, where
+        end = item.offset + item.length - 1
+        mask = item.is_embed
+        if mask is not None and (len(mask) != item.length or not any(mask)):
+            return invalid, where
+        if item.tensors is None:
+            nbytes = earlier.get(item.hash, held.get(item.hash))
+            if nbytes is None:
+                return unknown, where
+            total += nbytes
+            continue
+        if not item.tensors:
+            return invalid, where
+        nbytes = sum(len(t.data) for t in item.tensors.values())
+        for t in item.tensors.values():
+            size = _SIZES.get(t.dtype)
+            if size is None or len(t.data) != size * math.prod(t.shape) or nbytes > max_item:
+                return invalid, where
+        earlier[item.hash] = nbytes
+        total += nbytes
+    return (invalid, "max_multimodal_request_bytes") if total > max_request else None
+
+
 @settings(max_examples=400, deadline=None)
 @given(
     requests=st.lists(
@@ -241,12 +278,17 @@ def test_any_items_resolve_within_their_checks_or_are_refused_by_name(requests):
     s = store(capacity=4096, max_item_bytes=1024, max_request_bytes=2048)
     accepted = 0
     for session, items, ends in requests:
+        held = {h: e.nbytes for (owner, h), e in s._entries.items() if owner == session}
+        expected = expected_refusal(items, held, len(PROMPT), 1024, 2048)
         try:
             resolved = s.resolve(session, items, len(PROMPT))
         except ItemProblem as refused:
-            assert refused.message.startswith("multimodal")
-            assert refused.code in (ErrorCode.INVALID_REQUEST, ErrorCode.MULTIMODAL_ITEM_UNKNOWN)
+            # Refused for the right reason: the rule, and the first item, that breaks.
+            assert expected is not None, f"wrongly refused: {refused.message}"
+            code, fragment = expected
+            assert refused.code is code and fragment in refused.message, refused.message
         else:
+            assert expected is None, f"accepted, but should be refused: {expected}"
             end = -1
             for sent, got in zip(items, resolved, strict=True):
                 assert got.tensors and got.hash == content_id(got) and got.modality == sent.modality
@@ -295,7 +337,7 @@ def test_items_named_by_hash_count_against_the_request_bytes():
     sent = [item("h1", size=48)]
     s.remember(1, sent, s.resolve(1, sent, len(PROMPT)))
     refused = problem(s, [bare("h1"), bare("h1", offset=6)])
-    assert "96 bytes with the items named by hash" in refused.message
+    assert "96 bytes as the engine takes them" in refused.message
     (alone,) = s.resolve(1, [bare("h1")], len(PROMPT))
     assert alone.tensors is not None
 
@@ -342,3 +384,55 @@ def test_an_evicted_item_leaves_its_sessions_set_and_one_over_capacity_is_never_
     huge = [item("z", size=64)]
     s.remember(1, huge, s.resolve(1, huge, len(PROMPT)))
     assert "z" not in s._sessions[1] and s.held_bytes == 32
+
+
+def test_a_narrow_integer_tensor_counts_as_wide_as_the_engine_holds_it():
+    """Issue 51 item 14: a 0/1 mask sent as uint8 for an int64 tensor takes 8x in the
+    engine; the request bound counts what the engine holds, never less than received."""
+    schema = ItemSchema(
+        {"mask": TensorSchema("int64", ["n"]), "pixel_values": TensorSchema("bfloat16", ["n"])},
+        [6],
+        EmbeddingRule(None, 4),
+    )
+    s = MultimodalStore(1 << 20, 4, 1024, 256, {"image": schema})
+    tensors = {
+        "mask": Tensor("uint8", [16], bytes(16)),  # 16 bytes received, 128 held
+        "pixel_values": Tensor("float32", [8], bytes(32)),  # 32 received, 16 as bf16
+    }
+    wide = MultimodalItem("image", "w", 1, 4, tensors=tensors)
+    assert s.engine_bytes([wide]) == 128 + 32
+    assert s.engine_bytes([item()]) == 16  # no schema for its tensors: as received
+    narrow = MultimodalStore(1 << 20, 4, 1024, 128 + 31, {"image": schema})
+    assert "160 bytes as the engine takes them" in problem(narrow, [wide]).message
+    assert (
+        len(MultimodalStore(1 << 20, 4, 1024, 160, {"image": schema}).resolve(1, [wide], 11)) == 1
+    )
+
+
+def test_tensor_bytes_in_flight_are_bounded_per_client_and_in_all():
+    """Issue 51 item 14: accepted requests' tensors wait in the engine; over either bound
+    a request is Overloaded (retryable) and, once one finishes, its bytes are free again."""
+    h = _vlm_table(max_multimodal_bytes_in_flight_per_client=40, max_multimodal_bytes_in_flight=56)
+    for client in (b"c1", b"c2"):
+        h.send(client, Hello(1))
+        assert h.take(client)[0].limits.max_multimodal_bytes_in_flight_per_client == 40
+    h.send(b"c1", Generate("r1", PROMPT, multimodal=[item("a", size=16), item("b", 6, size=16)]))
+    assert h.take(b"c1") == [] and len(h.submitted) == 1  # 32 of c1's 40
+    h.send(b"c1", Generate("r2", PROMPT, multimodal=[item("c", size=16)]))  # by hash: 16 more
+    (over,) = h.take(b"c1")
+    assert isinstance(over, Overloaded) and over.request_id == "r2"
+    assert (over.limit, over.limit_value, over.current) == (
+        "max_multimodal_bytes_in_flight_per_client",
+        40,
+        32,
+    )
+    h.send(b"c1", Generate("r3", PROMPT, multimodal=[item("d", size=8)]))  # 40: fits
+    h.send(b"c2", Generate("r4", PROMPT, multimodal=[item("e", size=24)]))  # 40 + 24 > 56
+    (over,) = h.take(b"c2")
+    assert (over.limit, over.current) == ("max_multimodal_bytes_in_flight", 40)
+    h.step(FakeOutput(h.submitted[0].request_id, [9], finish_reason=1))  # r1 ends: 32 free
+    h.take(b"c1")
+    h.send(b"c2", Generate("r4", PROMPT, multimodal=[item("e", size=24)]))
+    assert h.take(b"c2") == [] and len(h.submitted) == 3
+    h.send(b"c1", Generate("r5", PROMPT, multimodal=[bare("a"), bare("b", 6)]))  # 8 + 32 > 40
+    assert h.take(b"c1")[0].limit == "max_multimodal_bytes_in_flight"  # 8 + 24 + 32 > 56

@@ -136,3 +136,47 @@ def test_clear_all_and_removals_of_other_groups_and_the_latest_block_size():
     index.clear_all()
     assert index.matched_blocks([1]) == [0, 0] and index.matched_blocks([2]) == [0, 0]
     assert index.size() == 0
+
+
+def test_matching_takes_no_hash_past_the_first_miss_on_every_rank_nor_past_the_cap():
+    """Issue 51 item 16: a prompt's hashes are computed as matching takes them, and
+    matching stops where no rank holds the block, or at the cap (ranks tie there)."""
+    index = PrefixIndex(2)
+    index.apply(0, 0, batch(stored([1, 2, 3, 4])))
+    index.apply(1, 0, batch(stored([1, 2]), rank=1))
+    taken = []
+
+    def lazily(hashes):
+        for h in hashes:
+            taken.append(h)
+            yield h
+
+    assert index.matched_blocks(lazily([1, 2, 3, 9, 10, 11])) == [3, 2]
+    assert taken == [1, 2, 3, 9]  # 9: no rank holds it; 10 and 11 never hashed
+    taken.clear()
+    assert index.matched_blocks(lazily([1, 2, 3, 4]), max_blocks=2) == [2, 2]
+    assert taken == [1, 2]
+    taken.clear()
+    assert index.matched_blocks(lazily([5, 6])) == [0, 0] and taken == [5]
+    index.ranks[0].synced = index.ranks[1].synced = False
+    assert index.matched_blocks(lazily([1])) == [None, None] and taken == [5]
+
+
+def test_batches_from_before_a_reset_cannot_undo_its_clear():
+    """Issue 51 item 22: the gateway clears the index when ResetPrefixCache succeeds, but
+    batches published before the reset may arrive after; vLLM's own AllBlocksCleared
+    comes with the rank's next step. Until then nothing stored is taken in."""
+    index = PrefixIndex(2)
+    index.apply(0, 0, batch(stored([1, 2])))
+    index.clear_all()
+    index.apply(0, 1, batch(stored([3, 4])))  # in flight across the reset
+    index.apply(1, 0, batch(stored([5]), rank=1))
+    assert index.matched_blocks([3, 4]) == [0, 0] and index.matched_blocks([5]) == [0, 0]
+    # The rank's next step: its AllBlocksCleared, then what that step stored.
+    index.apply(0, 2, batch({"type": "AllBlocksCleared"}, stored([6, 7])))
+    assert index.matched_blocks([6, 7]) == [2, 0]
+    index.apply(0, 3, batch(stored([8])))
+    assert index.matched_blocks([8]) == [1, 0]
+    index.reset(1, restarted=True)  # a restarted engine sends no clear of ours
+    index.apply(1, 0, batch(stored([9]), rank=1))
+    assert index.matched_blocks([9]) == [0, 1]

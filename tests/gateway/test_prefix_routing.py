@@ -265,3 +265,41 @@ async def test_a_gateway_pool_with_the_cache_policy_goes_where_the_prefix_is(
             _ = [o async for o in stream]
             spread.append(stream.gateway)
         assert set(spread) == set(addresses)
+
+
+async def test_a_cache_salt_and_a_lora_name_are_part_of_what_prefix_query_matches(client):
+    """vLLM hashes the salt into every block: a prompt stored under one salt matches only
+    a query (and a request) with the same salt."""
+    from client import ErrorCode, RequestFailed
+
+    prompt = fresh_prompt(3)
+    salted = RequestOptions(cache_salt="tenant-a")
+    await client.complete(prompt, GREEDY, options=salted)
+    matched = await settled(client, prompt, lambda m: any(m), salted)
+    assert max(matched) == 3 * BLOCK
+    assert (await client.prefix_query(prompt)).matched_tokens == [0, 0]
+    other = RequestOptions(cache_salt="tenant-b")
+    assert (await client.prefix_query(prompt, other)).matched_tokens == [0, 0]
+    assert (await client.complete(prompt, GREEDY, options=other)).cached_tokens == 0
+    with pytest.raises(RequestFailed) as refused:
+        await client.prefix_query(prompt, RequestOptions(lora_name="no-such-adapter"))
+    assert refused.value.code == ErrorCode.UNSUPPORTED
+
+
+async def test_cache_isolation_keeps_each_clients_prefix_cache_its_own(routed):
+    """Issue 51 item 16: under --cache-isolation one client's prompt is neither a hit nor
+    visible to PrefixQuery for another client, whatever salt either sends; the client
+    itself still hits it."""
+    routed.table.cache_isolation = True
+    try:
+        address = routed.addresses[0]
+        async with AsyncClient(address, name="a") as a, AsyncClient(address, name="b") as b:
+            prompt = fresh_prompt(3)
+            await a.complete(prompt, GREEDY)
+            matched = await settled(a, prompt, lambda m: any(m))
+            assert max(matched) == 3 * BLOCK
+            assert (await b.prefix_query(prompt)).matched_tokens == [0, 0]
+            assert (await b.complete(prompt, GREEDY)).cached_tokens == 0
+            assert (await a.complete(prompt, GREEDY)).cached_tokens == 3 * BLOCK
+    finally:
+        routed.table.cache_isolation = False

@@ -76,12 +76,24 @@ def test_one_clients_keys_cannot_push_out_anothers():
     assert (decision.rank, decision.reason) == (0, "sticky")
 
 
-@pytest.mark.parametrize("matched", [None, [None, 3], [3, None]])
-def test_an_unsynced_index_falls_back_to_load_and_is_counted(matched):
+@pytest.mark.parametrize("matched", [None, [None, None]])
+def test_no_synced_index_falls_back_to_load_and_is_counted(matched):
     router = cache_router()
     decision = router.choose(matched, [5.0, 1.0], 4 * BLOCK, BLOCK)
     assert (decision.rank, decision.reason) == (1, "fallback")
     assert router.decisions == {"fallback": 1}
+
+
+def test_one_unsynced_rank_leaves_the_others_matches_in_use():
+    """Issue 51 item 22: a rank catching up on its events (its blocks unknown, counted as
+    none) no longer sends every request by load: a prefix on a synced rank still wins."""
+    router = cache_router(ranks=3)
+    decision = router.choose([None, 0, 3], [0.0, 0.0, 1.0], 4 * BLOCK, BLOCK)
+    assert (decision.rank, decision.reason, decision.predicted_blocks) == (2, "matched", 3)
+    decision = router.choose([3, None, 0], [1.0, 0.0, 0.0], 4 * BLOCK, BLOCK)
+    assert (decision.rank, decision.reason) == (0, "matched")
+    # Nothing matched on the synced ranks: by load, the unsynced rank included.
+    assert router.choose([None, 0, 0], [0.0, 2.0, 1.0], 4 * BLOCK, BLOCK).rank == 0
 
 
 def test_an_unknown_policy_is_refused():

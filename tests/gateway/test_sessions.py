@@ -374,6 +374,40 @@ def test_routing_keys_reach_the_engine_as_each_clients_own():
     assert seen == [f"{A.hex()}:ep:1", f"{B.hex()}:ep:1"]
 
 
+def test_cache_isolation_gives_each_client_its_own_salt_on_generates_and_queries():
+    """Issue 51 item 16: under --cache-isolation the gateway, not the client, picks the
+    salt's first part: the CURVE key (the routing id without CURVE), then the client's own
+    salt. Off, the client's salt reaches the engine as sent."""
+    from codec import PrefixQuery, RequestOptions
+
+    h = TableHarness()
+    salts, queried = [], []
+    prepare = h.table._prepare
+
+    def recording(engine_id, msg):
+        salts.append(msg.options.cache_salt if msg.options else None)
+        return prepare(engine_id, msg)
+
+    def prefix_query(prompt, options):
+        queried.append(options.cache_salt if options else None)
+        return [0], 16, "cache"
+
+    h.table._prepare = recording
+    h.table._prefix_query = prefix_query
+    hello(h, A)
+    h.send(A, Generate("r0", [5], options=RequestOptions(cache_salt="s")))
+    h.table.cache_isolation = True
+    h.send(A, Generate("r1", [5]))
+    h.send(A, Generate("r2", [5], options=RequestOptions(cache_salt="s", priority=3)))
+    h.send(A, PrefixQuery(1, [5]))
+    h.send(A, PrefixQuery(2, [5], RequestOptions(cache_salt="s")))
+    # With CURVE the key names the client: its sessions share one namespace.
+    h.apply(h.table.on_message(B, Hello(1), h.now, key="K" * 40))
+    h.apply(h.table.on_message(B, Generate("r3", [5]), h.now, key="K" * 40))
+    assert salts == ["s", f"id:{A.hex()}/", f"id:{A.hex()}/s", f"key:{'K' * 40}/"]
+    assert queried == [f"id:{A.hex()}/", f"id:{A.hex()}/s"]
+
+
 def test_engine_death_errors_every_live_request_and_refuses_new_ones():
     h = TableHarness()
     hello(h, A)
