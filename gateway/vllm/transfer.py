@@ -97,7 +97,8 @@ class WeightTransferControls:
         except Exception as exc:
             await self._update_failed(exc)
         self._empty_buffers()
-        states = await self._worker_states("engine_gateway_weight_update_state")
+        per_engine = await self._worker_states_per_engine("engine_gateway_weight_update_state")
+        states = [state for workers in per_engine for state in workers]
         updated = min((s["layers_updated"] for s in states), default=0)
         layers = min((s["layers"] for s in states), default=0)
         if len({s.get("tensors_digest") for s in states}) > 1:
@@ -107,6 +108,9 @@ class WeightTransferControls:
                 f"the workers received different tensors (counts {counts})",
                 states,
             )
+        elif _replicas_differ(per_engine):
+            # Same tensor names, other bytes (a rank given another trainer's chunk).
+            self._after_failure("the data-parallel ranks now hold different weights", states)
         if self.weights_incomplete is not None and updated >= layers > 0:
             logger.info("a complete weight update ended the mixed-weights state")
             self.weights_incomplete = None
@@ -200,8 +204,20 @@ class WeightTransferControls:
             await self._client.call_utility_all_async("collective_rpc", method, None, (), kwargs)
 
     async def _worker_states(self, method: str) -> list[dict[str, Any]]:
+        per_engine = await self._worker_states_per_engine(method)
+        return [state for workers in per_engine for state in workers]
+
+    async def _worker_states_per_engine(self, method: str) -> list[list[dict[str, Any]]]:
+        """``method``'s result per engine (DP rank), per worker (TP/PP shard) within it."""
         with engine_death_named(self._engine_pids):
-            per_engine = await self._client.call_utility_all_async(
+            return await self._client.call_utility_all_async(
                 "collective_rpc", method, None, (), None
             )
-        return [state for workers in per_engine for state in workers]
+
+
+def _replicas_differ(per_engine: list[list[dict[str, Any]]]) -> bool:
+    """Do a worker and its peers in the other DP ranks (the same shard) hold other weights?"""
+    for peers in zip(*per_engine, strict=False):
+        if len({state.get("weights_digest") for state in peers}) > 1:
+            return True
+    return False

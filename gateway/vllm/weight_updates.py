@@ -219,6 +219,8 @@ def guard_weight_updates() -> None:
             "layers_not_updated": missing[:8],
             "tensors_received": len(progress.received),
             "tensors_digest": digest.hexdigest(),  # the same on every worker of a good update
+            # The same on each worker's peers in the other DP ranks (one TP/PP shard):
+            "weights_digest": weights_digest(self.model_runner.get_model()),
         }
 
     def engine_gateway_abandon_weight_update(self: Any) -> dict[str, Any]:
@@ -232,6 +234,28 @@ def guard_weight_updates() -> None:
     Worker.engine_gateway_weight_update_state = engine_gateway_weight_update_state
     Worker.engine_gateway_abandon_weight_update = engine_gateway_abandon_weight_update
     Worker._engine_gateway_update_guard = True
+
+
+_SAMPLES_PER_TENSOR = 64
+
+
+def weights_digest(model: Any) -> str:
+    """A digest of every parameter's name and of 64 of its elements, evenly spread: equal
+    on replicas that serve the same weights, and all but surely unequal where a whole
+    tensor differs (ranks given other chunks). Cheap: a few hundred small copies."""
+    import torch
+
+    digest = hashlib.blake2b(digest_size=8)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            if flat.numel() == 0:
+                continue
+            step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+            sample = flat[::step][:_SAMPLES_PER_TENSOR].contiguous().cpu()
+            digest.update(name.encode())
+            digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _progress(worker: Any) -> _Progress:

@@ -395,3 +395,46 @@ async def test_a_weight_update_reaches_every_rank(client):
     assert [
         (await client.complete(prompt, sampling, options=pinned(r))).token_ids for r in (0, 1)
     ] == before
+
+
+async def test_ranks_given_different_chunks_fail_the_finish_and_are_refused_until_complete(
+    client,
+):
+    """Issue 51 item 9: a list ``update_info`` gives each rank its own chunk. Ranks that
+    took different tensors must not serve under one version: the finish is refused with
+    WEIGHTS_INCOMPLETE naming it, so is generation, until a complete update."""
+    from client.weight_sync import asend_weights, buffer_folder, shared_memory_buckets
+    from tests.weight_trainer import checkpoint_tensors
+
+    model_a, model_b = ensure_tiny_model(), ensure_tiny_model(weights_seed=1)
+    a_tensors = dict(checkpoint_tensors(str(model_a)))
+    b_tensors = list(checkpoint_tensors(str(model_b)))
+    # Rank 1 gets every name of B, one of them with A's bytes: the same counts, other weights.
+    mixed = [(n, a_tensors[n] if n.endswith("0.mlp.down_proj.weight") else t) for n, t in b_tensors]
+    assert any(n.endswith("0.mlp.down_proj.weight") for n, _ in b_tensors)
+    prompt = [5, 6, 7]
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    before = [
+        (await client.complete(prompt, sampling, options=pinned(r))).token_ids for r in (0, 1)
+    ]
+    directory = buffer_folder(await client.init_weight_transfer_engine({}))
+    await client.start_weight_update("keep")
+    whole = 1 << 40  # one bucket each
+    with (
+        shared_memory_buckets(b_tensors, bucket_bytes=whole, directory=directory) as rank0,
+        shared_memory_buckets(mixed, bucket_bytes=whole, directory=directory) as rank1,
+    ):
+        for info0, info1 in zip(rank0, rank1, strict=True):
+            await client.update_weights([info0, info1])
+        with pytest.raises(RequestFailed) as failed:
+            await client.finish_weight_update("dp-mixed")
+    assert failed.value.code == ErrorCode.WEIGHTS_INCOMPLETE
+    assert "ranks now hold different weights" in str(failed.value)
+    with pytest.raises(RequestFailed) as refused:
+        await client.complete(prompt, sampling, options=pinned(1))
+    assert refused.value.code == ErrorCode.WEIGHTS_INCOMPLETE
+    done = await asend_weights(client, checkpoint_tensors(str(model_a)), version="dp-a")
+    assert done.result["layers_updated"] == done.result["layers"] > 0
+    assert [
+        (await client.complete(prompt, sampling, options=pinned(r))).token_ids for r in (0, 1)
+    ] == before

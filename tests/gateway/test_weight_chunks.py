@@ -15,7 +15,13 @@ from gateway.vllm.cpu_transfer import (  # noqa: E402
     CpuWeightTransferEngine,
     check_private_folder,
 )
-from gateway.vllm.weight_updates import UpdatePlan, _unfed_layers, check_chunk  # noqa: E402
+from gateway.vllm.transfer import _replicas_differ  # noqa: E402
+from gateway.vllm.weight_updates import (  # noqa: E402
+    UpdatePlan,
+    _unfed_layers,
+    check_chunk,
+    weights_digest,
+)
 
 GATE, UP = "mlp.gate_proj.weight", "mlp.up_proj.weight"
 PLAN = UpdatePlan(
@@ -125,3 +131,20 @@ def test_the_folder_must_be_private_and_not_a_link(tmp_path):
     with pytest.raises(ValueError, match="absolute"):
         check_private_folder("relative")
     os.close(check_private_folder(str(private)))
+
+
+def test_replicas_that_hold_other_weights_are_told_apart_shard_by_shard():
+    """Issue 51 item 9: DP ranks given other chunks (same names, other bytes) finish with
+    other weights; the finish compares each worker's digest with its peers' in the other
+    ranks (its own TP shard: shards differ by design)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+    replica = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+    replica.load_state_dict(model.state_dict())
+    assert weights_digest(model) == weights_digest(replica)
+    with torch.no_grad():
+        replica[1].weight.copy_(torch.randn_like(replica[1].weight))  # one tensor of another
+    assert weights_digest(model) != weights_digest(replica)
+    same, other = {"weights_digest": "a"}, {"weights_digest": "b"}
+    assert not _replicas_differ([[same, other], [same, other]])  # two shards, two ranks
+    assert _replicas_differ([[same, other], [same, same]])
