@@ -54,7 +54,7 @@ class RoutingConfig:
     # Prompt blocks hashed to match one request or PrefixQuery, at most (each costs a few
     # microseconds of the gateway's loop; matching stops sooner, at the first block no
     # rank holds). Ranks that both hold more than this tie there, and load decides.
-    max_prefix_blocks: int = 2048
+    max_prefix_blocks: int = 1024
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -132,7 +132,9 @@ class Router:
         # An unsynced rank's blocks are unknown: counted as none (as after a reset), so
         # the synced ranks' matches still place requests while one rank catches up.
         usable = [reusable_blocks(m or 0, prompt_len, block_size) for m in matched]
-        blocks = max(1, prompt_len // block_size)
+        # The share of the prompt cached, over the blocks matching looks at (at most
+        # max_prefix_blocks: a long prompt cached to the cap counts as a whole hit).
+        blocks = max(1, min(prompt_len // block_size, self.config.max_prefix_blocks))
         weight = self.config.prefix_weight
         if max(usable) > 0:
             costs = [loads[r] - weight * usable[r] / blocks for r in range(self.ranks)]

@@ -128,3 +128,12 @@ def test_a_match_beats_a_routing_key_and_a_guard_decision_moves_the_key():
     guarded = router.choose([4, 0], [30.0, 1.0], 5 * BLOCK, BLOCK, routing_key="k")
     assert (guarded.rank, guarded.reason) == (1, "balance_guard")
     assert router._sticky["k"] == 1  # the key follows where its request went
+
+
+def test_a_prompt_cached_to_the_hashing_cap_counts_as_a_whole_hit():
+    """Matching looks at max_prefix_blocks blocks at most: the share of the prompt cached
+    is over those, so a long prompt's hit is not undervalued against load."""
+    router = Router(2, RoutingConfig("cache", max_prefix_blocks=4))
+    # 100 blocks, the first 4 (the cap) on rank 0; rank 0 busier by 6 (< prefix_weight 16).
+    decision = router.choose([4, 0], [6.0, 0.0], 100 * BLOCK, BLOCK)
+    assert (decision.rank, decision.reason) == (0, "matched")
