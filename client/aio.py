@@ -278,11 +278,16 @@ class AsyncClient(CompletionCalls):
         reconnect_timeout_s: float = 30.0,
         context: zmq.Context | None = None,
         curve_keys: tuple[bytes, bytes, bytes] | None = None,
+        call_timeout_s: float | None = 300.0,
     ):
         """``curve_keys``: (server public, client public, client secret) Z85 keys.
 
         ``reconnect_timeout_s``: how long a call made while the session is down
         waits for the client to open a new one before GatewayUnavailable (0: at once).
+        ``call_timeout_s``: how long a control call (pause, weights, LoRA, stats, a
+        PrefixQuery, ...) waits for its answer before TimeoutError (None: for ever; a
+        ReloadWeights of a very large checkpoint may need more). The gateway may still
+        carry the call out; a lost session fails it at once with SessionLost.
         """
         self.address = address
         self.name = name
@@ -290,6 +295,7 @@ class AsyncClient(CompletionCalls):
         self._heartbeat_wanted = heartbeat_interval_s
         self._connect_timeout_s = connect_timeout_s
         self._reconnect_timeout_s = reconnect_timeout_s
+        self._call_timeout_s = call_timeout_s
         self._ctx = context or zmq.Context.instance()
         self._curve_keys = curve_keys
         self._sock: zmq.Socket | None = None
@@ -602,7 +608,19 @@ class AsyncClient(CompletionCalls):
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         self._send_payload(payload)
-        return await future
+        if self._call_timeout_s is None:
+            return await future
+        try:
+            async with timeout(self._call_timeout_s):
+                return await asyncio.shield(future)  # the clock must not cancel the answer
+        except TimeoutError:
+            if future.done():  # answered (or failed) as the clock ran out
+                return future.result()
+            self._calls.pop(call_id, None)
+            raise TimeoutError(
+                f"{message_type.__name__} (call_id {call_id}) had no answer from"
+                f" {self.address} within call_timeout_s ({self._call_timeout_s}s)"
+            ) from None
 
     def _encode_within_limit(self, msg: Any, request_id: str | None = None) -> bytes:
         """``msg``'s payload; RequestFailed(FRAME_TOO_LARGE) here, without sending it, when

@@ -161,3 +161,27 @@ def test_a_blocking_stream_closed_after_the_client_returns_at_once():
         start = time.monotonic()
         outputs.close()
         assert time.monotonic() - start < 1.0
+
+
+async def test_a_control_call_the_gateway_never_answers_ends_at_call_timeout_s():
+    """Issue 48 item 3: AsyncClient control calls have a timeout of their own (the
+    blocking client has 300 s): a Pause("wait") behind a request that never ends raises
+    TimeoutError after call_timeout_s, and the client serves on."""
+    from gateway.auth import ControlPolicy
+
+    address = ipc_address()
+    engine = FakeEngine(step_interval_s=0.01)
+    open_control = ControlPolicy(open=True)
+    async with (
+        running_gateway(engine, address=address, control=open_control),
+        AsyncClient(address, call_timeout_s=0.5) as client,
+    ):
+        stream = client.generate([5], LONG)
+        await anext(stream)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="Pause .* within call_timeout_s"):
+            await client.pause("wait")
+        assert 0.4 < time.monotonic() - started < 5
+        await stream.aclose()
+        await client.resume()
+        assert (await client.complete([6], SHORT)).output_tokens == 3
