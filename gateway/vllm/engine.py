@@ -36,6 +36,7 @@ from .multimodal import MultimodalInputs
 from .outputs import ConvertedOutput, stopping_eos_token_ids, to_wire_logprobs
 from .prefix_routing import PrefixRouting
 from .transfer import WeightTransferControls
+from .weight_updates import RELOAD_PART_WAY
 
 logger = logging.getLogger(__name__)
 
@@ -334,8 +335,9 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             await self._client.pause_scheduler_async(mode, clear_cache)
 
     async def resume(self) -> None:
-        with _engine_death_named(self._engine_pids):
-            await self._client.resume_scheduler_async()
+        """vLLM's resume_scheduler; refused (INVALID_REQUEST, vLLM's words) while a pause is
+        still under way, or a weight update another gateway of the group opened is open."""
+        await _files_call("Resume", self._client.resume_scheduler_async(), self._engine_pids)
 
     async def reset_prefix_cache(self, reset_running: bool) -> bool:
         """vLLM's reset_prefix_cache on every engine; its result (False: not reset)."""
@@ -352,11 +354,23 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         (cached KV came from the old weights) and the new version, if given. Requests
         admitted from its start on never reuse KV of other weights (``_cache_salt``)."""
         with self._changing_weights():
-            results = await _files_call(
-                "ReloadWeights",
-                self._client.collective_rpc_async("reload_weights", kwargs={"weights_path": path}),
-                self._engine_pids,
-            )
+            try:
+                results = await _files_call(
+                    "ReloadWeights",
+                    self._client.collective_rpc_async(
+                        "reload_weights", kwargs={"weights_path": path}
+                    ),
+                    self._engine_pids,
+                )
+            except RequestRejected as exc:
+                if RELOAD_PART_WAY not in exc.message:
+                    raise  # refused before any weight moved: the old ones serve on
+                # The model now mixes two sets of weights: as a weight update failed part-way.
+                self.weights_incomplete = (
+                    f"{exc.message}; generation is refused until a complete weight update or a"
+                    " ReloadWeights of a whole checkpoint"
+                )
+                raise WeightsIncomplete(self.weights_incomplete) from None
             if self.weights_incomplete is not None and _every_layer_reloaded(results):
                 logger.info("a whole checkpoint ended the mixed-weights state")
                 self.weights_incomplete = None

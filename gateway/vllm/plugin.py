@@ -29,7 +29,14 @@ from ..process_exit import describe_process_exit
 from ..stop_signals import ignore_terminal_interrupt
 from .deaths import write_death_report
 from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
-from .weight_updates import guard_weight_updates, scrub_kv_cache, update_plan
+from .weight_updates import (
+    RELOAD_PART_WAY,
+    UPDATE_OPEN,
+    guard_weight_updates,
+    refuse_resume_during_weight_updates,
+    scrub_kv_cache,
+    update_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +83,7 @@ def load_vllm_plugin() -> None:
     _reload_weights_safely()
     _load_adapters_from_a_private_copy()
     guard_weight_updates()
+    refuse_resume_during_weight_updates()
     _register_cpu_weight_transfer()
     _report_worker_deaths()
     _offset_ipc_kv_event_endpoints()
@@ -265,6 +273,8 @@ def _reload_weights_safely() -> None:
     ) -> dict[str, int] | None:
         """Result: ``{"layers_updated", "layers"}`` (those a complete checkpoint fills;
         0 where the served checkpoint has no plan), so that a partial checkpoint is known."""
+        if getattr(self, "_weight_update_active", False):
+            raise RuntimeError(UPDATE_OPEN)  # layers wait on the meta device for it
         if weights_iterator is not None or not is_checkpoint_format:  # not from disk
             reload(self, weights_iterator, weights_path, is_checkpoint_format)
             return None
@@ -292,9 +302,8 @@ def _reload_weights_safely() -> None:
             model_config.model, model_config.model_weights, model_config.revision = source
             abandon_reload(model)
             raise RuntimeError(
-                f"reloading weights from {path!r} failed part-way ({exc}); the engine serves"
-                f" on, {finished} layers with new weights and the others with their old"
-                " ones: reload a whole checkpoint"
+                f"reloading weights from {path!r} {RELOAD_PART_WAY} ({exc}): {finished} layers"
+                " took new weights and the others have their old ones"
                 if finished
                 else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
             ) from exc

@@ -134,6 +134,34 @@ def check_chunk(
             )
 
 
+RELOAD_PART_WAY = "failed part-way"  # a reload from disk left some layers with new weights
+UPDATE_OPEN = (
+    "a weight update is open on this engine (a gateway of its group opened it, and its"
+    " layers wait to be built): generation resumes, and weights reload, when it ends"
+)
+
+
+def refuse_resume_during_weight_updates() -> None:
+    """In the EngineCore: vLLM's resume_scheduler is refused while any worker has a weight
+    update open. The gateway that opened it holds generation until it ends; with
+    ``--gateway-count N`` another gateway's Resume (which knows nothing of it) would let the
+    engine step on half-loaded layers. Checked here, in the engine's own call order, no
+    Resume can slip in between an update's start and its end."""
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, "_engine_gateway_resume_guard", False):
+        return
+    resume = EngineCore.resume_scheduler
+
+    def resume_scheduler(self: Any) -> Any:
+        if any(self.model_executor.collective_rpc("engine_gateway_weight_update_active")):
+            raise RuntimeError(UPDATE_OPEN)
+        return resume(self)
+
+    EngineCore.resume_scheduler = resume_scheduler
+    EngineCore._engine_gateway_resume_guard = True
+
+
 def guard_weight_updates() -> None:
     """Wrap the worker's weight-update calls (see the module's docstring); once."""
     from vllm.config import set_current_vllm_config
@@ -223,6 +251,9 @@ def guard_weight_updates() -> None:
             "weights_digest": weights_digest(self.model_runner.get_model()),
         }
 
+    def engine_gateway_weight_update_active(self: Any) -> bool:
+        return bool(getattr(self, "_weight_update_active", False))
+
     def engine_gateway_abandon_weight_update(self: Any) -> dict[str, Any]:
         if getattr(self, "_weight_update_active", False):
             _end(self, self.model_runner.get_model())
@@ -233,6 +264,7 @@ def guard_weight_updates() -> None:
     Worker.finish_weight_update = finish_weight_update
     Worker.engine_gateway_weight_update_state = engine_gateway_weight_update_state
     Worker.engine_gateway_abandon_weight_update = engine_gateway_abandon_weight_update
+    Worker.engine_gateway_weight_update_active = engine_gateway_weight_update_active
     Worker._engine_gateway_update_guard = True
 
 

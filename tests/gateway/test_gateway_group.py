@@ -105,6 +105,19 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         assert [
             (await c.complete([7, 8, 9], GREEDY, options=mine)).token_ids for c in pool.clients
         ] == tuned
+        # An update open through gateway 0 holds generation for the whole group: gateway 1,
+        # which knows nothing of it, may neither resume the engine (it would step on
+        # half-loaded layers) nor reload weights into it (issue 48 item 3).
+        await pool.clients[0].init_weight_transfer_engine({})
+        await pool.clients[0].start_weight_update("keep")
+        for call in (pool.clients[1].resume(), pool.clients[1].reload_weights(args[0])):
+            with pytest.raises(RequestFailed) as refused:
+                await call
+            assert refused.value.code is ErrorCode.INVALID_REQUEST
+            assert "a weight update is open on this engine" in str(refused.value)
+        await pool.clients[0].abandon_weight_update()
+        await pool.clients[1].resume()  # nothing open now: allowed (the engine runs anyway)
+        assert (await pool.clients[1].complete([7, 8, 9], GREEDY)).token_ids == results[1].token_ids
         streams = [pool.generate([3 + i], UNENDING) for i in range(4)]
         for stream in streams:
             await anext(stream)
