@@ -5,7 +5,7 @@ pyzmq's asyncio layer makes every ``await recv_multipart()`` a Future with its o
 bookkeeping: a ``RCVTIMEO`` read, several ``ZMQ_EVENTS`` reads (each processes the socket's
 commands), flag-enum arithmetic and a done-callback that costs another loop pass. At an
 engine step's cadence that is ~100 µs of CPU per frame more than receiving with
-``NOBLOCK`` when the loop says the descriptor is readable (``python -m bench.recv_cost``).
+``NOBLOCK`` when the loop says the descriptor is readable (``python -m bench.probes.recv_cost``).
 
 ``LoopWatchedSocket.adopt(sock)`` turns an existing ``zmq.asyncio.Socket`` into one whose
 blocking ``recv_multipart`` is that: the socket stays the same object (so code that holds

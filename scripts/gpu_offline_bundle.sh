@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build an offline bundle of CUDA vLLM for a GPU machine that has no package index but has
-# torch (how bench/results/gpu_llama1b* were made; see README "GPU machines").
+# torch (how bench/results/gpu_llama1b* were made; see docs/PERFORMANCE.md, "GPU machines").
 #
 # It downloads vLLM's CUDA wheel and scripts/gpu-offline-requirements.txt for the GPU box's
 # Python, adds engine-gateway itself, unpacks them into one folder and drops what a Hopper run

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without a package index: unpack the bundle that
 # scripts/gpu_offline_bundle.sh made (once, into $SITE) and run a command with it on the path,
-# beside the machine's own torch. Example (the README's GPU figures):
+# beside the machine's own torch. Example (the GPU figures of docs/PERFORMANCE.md):
 #   scripts/gpu_offline_run.sh BUNDLE python3 -m bench.random_model llama-3.2-1b /root/llama1b
 #   scripts/gpu_offline_run.sh BUNDLE python3 -m bench --model /root/llama1b --cuda-graphs \
 #       --no-ceiling --targets gateway-ipc,gateway-tcp,vllm-http,direct --concurrency 1,64,256,1024 \

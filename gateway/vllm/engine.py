@@ -155,7 +155,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         ``vllm_config``: from ``engine_config(engine_args)`` when already made.
         ``engine_stats``: vLLM's ``log_stats``: per-request events (queued, scheduled)
         for ``Finished.timings`` and scheduler stats for ``engine_stats()`` (GetStats);
-        ~9% of throughput on the 2-core CPU box (README).
+        ~9% of throughput on the 2-core CPU box (docs/PERFORMANCE.md).
         ``client_config``: from ``launch_engine_group``: attach to engines started there
         (this is one of several gateways) instead of starting them.
         ``routing``: the rank policy for unpinned requests (gateway/routing.py; default

@@ -1,6 +1,6 @@
-"""bench.admission's summary of a burst: stage times after the first send, first batch."""
+"""bench.probes.admission's summary of a burst: stage times after the first send, first batch."""
 
-from bench.admission import _markdown, _summary
+from bench.probes.admission import _markdown, _summary
 
 
 def _row(sent: float, scheduled: float, **more: float) -> dict:

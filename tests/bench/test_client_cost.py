@@ -1,11 +1,11 @@
-"""bench.client_cost: every stream is read to its end and the CPU figures are reported
+"""bench.probes.client_cost: every stream is read to its end and the CPU figures are reported
 (fake engine; no timing assertions), on any model's vocabulary."""
 
 from __future__ import annotations
 
 import os
 
-from bench.client_cost import measure_client_cost
+from bench.probes.client_cost import measure_client_cost
 from client import AsyncClient
 from gateway.engine import EngineInfo
 from gateway.fake_engine import FakeEngine

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gc
 
-from bench.gateway_profile import gc_timer, summarize_collapsed
-from bench.send_cost import measure
+from bench.probes.gateway_profile import gc_timer, summarize_collapsed
+from bench.probes.send_cost import measure
 
 
 def test_collapsed_stacks_are_summarized_by_own_and_inclusive_share(tmp_path):
@@ -45,7 +45,7 @@ def test_send_cost_reports_the_sender_and_io_thread_cpu_per_send():
 def test_thread_sleeps_count_this_threads_waits():
     import time
 
-    from bench.gateway_profile import thread_sleeps
+    from bench.probes.gateway_profile import thread_sleeps
 
     before = thread_sleeps()["main"]
     for _ in range(5):
@@ -56,7 +56,7 @@ def test_thread_sleeps_count_this_threads_waits():
 def test_thread_schedstat_counts_this_threads_running_time():
     import time
 
-    from bench.gateway_profile import thread_schedstat
+    from bench.probes.gateway_profile import thread_schedstat
 
     running0, runnable0 = thread_schedstat()["main"]
     deadline = time.thread_time() + 0.05
@@ -70,7 +70,7 @@ def test_thread_schedstat_counts_this_threads_running_time():
 def test_a_lean_struct_reads_vllms_engine_step_frame_and_the_savings_are_measured():
     import msgspec
 
-    from bench.engine_decode import LeanOutputs, engine_step_frames, measure
+    from bench.probes.engine_decode import LeanOutputs, engine_step_frames, measure
 
     frames = engine_step_frames(3)
     assert len(frames) == 1  # no out-of-band tensors in a plain token step
@@ -90,7 +90,7 @@ def test_cprofile_summary_gives_calls_and_cpu_per_engine_step():
     import cProfile
     import time
 
-    from bench.gateway_profile import summarize_cprofile
+    from bench.probes.gateway_profile import summarize_cprofile
 
     def step() -> int:
         return sum(range(2000))
@@ -112,7 +112,7 @@ def test_cprofile_summary_gives_calls_and_cpu_per_engine_step():
 def test_recv_cost_receives_every_frame_each_way_and_reports_cpu_per_frame():
     import asyncio
 
-    from bench.recv_cost import compare
+    from bench.probes.recv_cost import compare
 
     result = asyncio.run(asyncio.wait_for(compare(50, 100, 0.001, rounds=1), 60))
     assert set(result["receiver_us_per_frame"]) == {"asyncio", "watched", "fd"}

@@ -1,4 +1,4 @@
-"""bench/thread_switches.py's counting, on this process's own threads."""
+"""bench/probes/thread_switches.py's counting, on this process's own threads."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from bench.thread_switches import _per_step, thread_switches
+from bench.probes.thread_switches import _per_step, thread_switches
 
 
 def test_a_sleeping_thread_counts_voluntary_switches():

@@ -3,6 +3,7 @@ flag, exit status 2, and no engine started or left behind. Each case is a real s
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import socket
@@ -272,7 +273,9 @@ def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
         "lora": ["serve", "--lora-module", f"a={tmp_path}"],  # without --enable-lora
         "cache": ["serve", "--routing", "cache", "--no-enable-prefix-caching"],
     }
-    results = {name: run_cli(*argv) for name, argv in runs.items()}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two at a time: two cores
+        futures = {name: pool.submit(run_cli, *argv) for name, argv in runs.items()}
+        results = {name: future.result() for name, future in futures.items()}
     code, out, err, _ = results["help"]
     assert code == 0 and out.startswith("usage: engine-gateway serve"), out[:500]
     assert "--curve-secret-key" in out and "--max-model-len" in out  # ours and vLLM's

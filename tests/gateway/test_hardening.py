@@ -333,7 +333,7 @@ def test_a_client_that_stops_reading_is_ended_without_stalling_others():
 
 @pytest.fixture
 def curve_keys(tmp_path):
-    """Keys made as the README says, with `engine-gateway keys` (folders not made first)."""
+    """Keys made as docs/DEPLOYMENT.md says, with `engine-gateway keys` (folders not made first)."""
     from gateway.keys_cli import keys_main
 
     allowed = tmp_path / "allowed"

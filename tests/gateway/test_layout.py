@@ -112,3 +112,22 @@ def test_no_import_arrow_runs_in_a_circle_among_the_gateways_modules():
         if start not in done:
             visit(start, [start])
     assert cycles == []
+
+
+def test_the_benchmark_harness_imports_no_probe():
+    """bench/ is the harness a user runs; bench/probes/ the one-off investigations, which may
+    use the harness but never the other way round (issue 49). Each probe is listed in
+    bench/probes/README.md with its question and result."""
+    harness = {}
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        name = module_name(path)
+        if not name.startswith("bench.probes"):
+            harness[name] = imports_of(path)
+    assert harness, "no harness modules found"
+    offenders = {
+        n: sorted(i for i in imp if i.startswith("bench.probes")) for n, imp in harness.items()
+    }
+    assert {n: i for n, i in offenders.items() if i} == {}
+    index = (ROOT / "bench" / "probes" / "README.md").read_text()
+    probes = {p.stem for p in (ROOT / "bench" / "probes").glob("*.py") if p.stem != "__init__"}
+    assert probes and all(f"| `{probe}` |" in index for probe in probes)

@@ -1,6 +1,6 @@
 """What a leaner engine-core client could save: decoding one engine step, and the hop.
 
-    python -m bench.engine_decode [--outputs 120] [--out bench/results/engine_decode.json]
+    python -m bench.probes.engine_decode [--outputs 120] [--out bench/results/engine_decode.json]
 
 The gateway reads vLLM's engine-core outputs through vLLM's AsyncMPClient: its output
 task receives each step's frame, decodes it with vLLM's ``MsgpackDecoder`` into
@@ -128,7 +128,7 @@ def measure(outputs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.engine_decode", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.engine_decode", description=__doc__)
     p.add_argument("--outputs", type=int, default=120, help="outputs per engine step")
     p.add_argument("--out", type=Path, help="also write the figures here (JSON)")
     args = p.parse_args(argv)

@@ -2,7 +2,7 @@
 to back (bench only): what one Outputs frame per step costs the sender on this machine,
 before any gateway code.
 
-    python -m bench.send_cost [--frames 2000] [--bytes 4000] [--interval 0.004]
+    python -m bench.probes.send_cost [--frames 2000] [--bytes 4000] [--interval 0.004]
 
 A ROUTER sends FRAMES frames of BYTES bytes over ipc to a DEALER in another process, once
 spaced INTERVAL seconds apart (zmq's I/O thread has gone back to sleep and must be woken)
@@ -69,7 +69,7 @@ def measure(frames: int, size: int, interval: float) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.send_cost", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.send_cost", description=__doc__)
     p.add_argument("--frames", type=int, default=2000)
     p.add_argument("--bytes", type=int, default=4000, help="~128 streamed outputs")
     p.add_argument("--interval", type=float, default=0.004, help="~250 engine steps/s")

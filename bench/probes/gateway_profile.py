@@ -1,7 +1,7 @@
 """Profile the gateway on vLLM's real EngineCore with no model compute (zero-compute
 executor): where its CPU per output token goes.
 
-    python -m bench.gateway_profile --concurrency 256 --output-len 512 --out bench/results/x
+    python -m bench.probes.gateway_profile --concurrency 256 --output-len 512 --out bench/results/x
 
 The gateway and its vLLM engine client run in this process under pyinstrument; the
 load comes from `engine-gateway bench` in a subprocess (32-token prompts by default).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from .targets import ROOT, ZERO_EXECUTOR
+from ..targets import ROOT, ZERO_EXECUTOR
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -349,7 +349,7 @@ def thread_sleeps() -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gateway_profile", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.gateway_profile", description=__doc__)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=1024)
     p.add_argument("--input-len", type=int, default=32)

@@ -1,6 +1,6 @@
 """Event-loop lag seen by a well-behaved client while another sends maximal frames.
 
-    python -m bench.loop_lag [--seconds S] [--max-model-len N] [--out bench/results/loop_lag]
+    python -m bench.probes.loop_lag [--seconds S] [--max-model-len N] [--out bench/results/loop_lag]
 
 Starts a fake-engine gateway (``bench.fake_server``) for a model of ``max_model_len``
 tokens, with the default frame limit that follows from it (``frame_limit_for``: 5 bytes a

@@ -1,6 +1,6 @@
 """Codec micro-benchmarks: the figures quoted in docs/PROTOCOL.md ("Performance").
 
-    python -m bench.codec_bench
+    python -m bench.probes.codec_bench
 
 Measures encode+decode of (a) a 256-request, one-token-each Outputs batch and
 (b) a 4,096-token Generate, and compares token arrays as msgpack int lists

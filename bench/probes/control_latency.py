@@ -1,7 +1,7 @@
 """Control-call latency under load: the gateway's control messages beside vLLM's HTTP dev-mode
 routes (VLLM_SERVER_DEV_MODE=1) doing the same thing, on the same model and engine flags.
 
-    python -m bench.control_latency [--calls 30] [--load 16]
+    python -m bench.probes.control_latency [--calls 30] [--load 16]
 
 For each frontend in turn: ``--load`` streams run greedy 64-in/256-out requests in a closed
 loop, while one controller makes ``--calls`` rounds of pause(keep), resume, reset the prefix
@@ -20,11 +20,11 @@ from pathlib import Path
 
 from client import AsyncClient, SamplingParams
 
-from .stats import percentile
-from .targets import GatewayServer, HttpTarget
-from .workload import Workload
+from ..stats import percentile
+from ..targets import GatewayServer, HttpTarget
+from ..workload import Workload
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 OPERATIONS = ("pause", "resume", "reset_prefix_cache", "stats")
 
 
@@ -137,7 +137,7 @@ def markdown(results: dict, args: argparse.Namespace) -> str:
     lines = [
         "# Control-call latency under load (ms, from sending the call to its reply)",
         "",
-        f"`python -m bench.control_latency --calls {args.calls} --load {args.load}`: "
+        f"`python -m bench.probes.control_latency --calls {args.calls} --load {args.load}`: "
         f"{args.load} greedy 64-in/256-out streams run while one controller makes "
         f"{args.calls} rounds of each call. vLLM: `vllm serve --tokens-only` with "
         "VLLM_SERVER_DEV_MODE=1 (`/pause?mode=keep`, `/resume`, `/reset_prefix_cache`, "
@@ -157,7 +157,7 @@ def markdown(results: dict, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.control_latency", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.control_latency", description=__doc__)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--load", type=int, default=16)
     p.add_argument("--out", type=Path, default=RESULTS)

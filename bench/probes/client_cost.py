@@ -1,6 +1,6 @@
 """The client library's own CPU per token: an ``AsyncClient`` iterating many streams at once.
 
-    python -m bench.client_cost --address ipc:///tmp/gw.sock --concurrency 256 \\
+    python -m bench.probes.client_cost --address ipc:///tmp/gw.sock --concurrency 256 \\
         --requests 1024 --output-len 512 [--gateway-pid PID] [--runs 3]
 
 Each request is one ``async for`` over ``client.generate`` (greedy, ``ignore_eos``, 32-token
@@ -114,7 +114,7 @@ async def _run(args: argparse.Namespace) -> list[ClientCost]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.client_cost", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.client_cost", description=__doc__)
     p.add_argument("--address", required=True)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--requests", type=int, default=1024)

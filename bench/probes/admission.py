@@ -1,7 +1,7 @@
 """Where a burst of requests waits on its way from the client to the engine's first step.
 
-    python -m bench.admission --burst 256,1024 --rounds 3 --out bench/results/admission
-    python -m bench.admission --burst 1024 --arms gateway --yield-every 1,32,100000
+    python -m bench.probes.admission --burst 256,1024 --rounds 3 --out bench/results/admission
+    python -m bench.probes.admission --burst 1024 --arms gateway --yield-every 1,32,100000
 
 Both arms drive vLLM's real EngineCore with the zero-compute executor (bench/zero_engine.py)
 started with vLLM's per-request events (``log_stats``), so the engine's own QUEUED (its
@@ -10,7 +10,7 @@ beside the frontends'. Every timestamp is ``time.monotonic()`` (CLOCK_MONOTONIC:
 for every process of the machine on Linux), in ms after the burst's first send.
 
 - ``gateway``: the gateway in this process, its methods wrapped with timers (as
-  bench.gateway_profile does); the burst comes from a client process (``client.AsyncClient``)
+  bench.probes.gateway_profile does); the burst comes from a client process (``client.AsyncClient``)
   that starts N streams at once and records when each was sent and its first token came.
 - ``direct``: vLLM's engine client in this process, N tasks at once, each validating and
   submitting as the benchmark's ``direct`` target does (``VllmEngine.prepare`` and
@@ -38,8 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .targets import ROOT, ZERO_EXECUTOR
-from .workload import Workload
+from ..targets import ROOT, ZERO_EXECUTOR
+from ..workload import Workload
 
 STAGES = ("sent", "decoded", "validated", "submitted", "queued", "scheduled", "first_output")
 CLIENT_PREFIX = "ADMISSION_CLIENT "
@@ -147,7 +147,7 @@ async def gateway_arm(
 
 
 async def _client_burst(address: str, burst: int, output_len: int, salt: int) -> dict:
-    cmd = [sys.executable, "-m", "bench.admission", "--client", address]
+    cmd = [sys.executable, "-m", "bench.probes.admission", "--client", address]
     cmd += ["--burst", str(burst), "--output-len", str(output_len), "--salt", str(salt)]
     done = await asyncio.to_thread(
         subprocess.run, cmd, cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))
         args.out.with_suffix(".md").write_text(
-            "# Where a burst waits (`python -m bench.admission`)\n\n" + report
+            "# Where a burst waits (`python -m bench.probes.admission`)\n\n" + report
         )
     return 0
 

@@ -2,10 +2,10 @@
 switches per engine step, in the gateway, a client process and the engine core, over a
 window of a zero-compute run (issue 38: what the hop adds on a box with few cores).
 
-    python -m bench.thread_switches [--model DIR] [--concurrency 256] [--window-s 3]
+    python -m bench.probes.thread_switches [--model DIR] [--concurrency 256] [--window-s 3]
 
 The gateway (`engine-gateway serve` with bench.zero_engine's executor) is driven by
-``python -m bench.client_cost`` in its own process, so each process's threads are its own.
+``python -m bench.probes.client_cost`` in its own process, so each process's threads are its own.
 A voluntary switch is a thread going to sleep (it will be woken: a wake-up); an involuntary
 one is the kernel taking its core while it could still run. Threads of one name in one
 process (vLLM's gloo threads, for one) are summed.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from client import AsyncClient
 
-from .engine_counters import context_switches, engine_pids, read_steps
-from .targets import ROOT, EngineSetup, GatewayServer
+from ..engine_counters import context_switches, engine_pids, read_steps
+from ..targets import ROOT, EngineSetup, GatewayServer
 
 __all__ = ["thread_switches", "main"]
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> str:
     try:
         asyncio.run(_wait_ready(server.ipc, server))
         client = subprocess.Popen(
-            [sys.executable, "-m", "bench.client_cost", "--address", server.ipc,
+            [sys.executable, "-m", "bench.probes.client_cost", "--address", server.ipc,
              "--concurrency", str(args.concurrency), "--requests", str(args.requests),
              "--output-len", str(args.output_len), "--runs", "1"],
             cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.thread_switches", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.thread_switches", description=__doc__)
     p.add_argument("--model", default=None, help="default: the embedded tiny model")
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--requests", type=int, default=2048)

@@ -7,7 +7,7 @@ output task receive); and the event loop watching the socket's file descriptor w
 callback that receives with ``NOBLOCK`` itself, as ``client.AsyncClient`` does (no task
 to wake).
 
-    python -m bench.recv_cost [--frames 2000] [--bytes 4000] [--interval 0.004] [--rounds 3]
+    python -m bench.probes.recv_cost [--frames 2000] [--bytes 4000] [--interval 0.004] [--rounds 3]
 
 The gateway process receives at least twice per engine step: vLLM's engine client reads
 each step's outputs (through LoopWatchedSocket), the gateway's ROUTER each client frame
@@ -118,7 +118,7 @@ async def compare(frames: int, size: int, interval: float, rounds: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.recv_cost", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.probes.recv_cost", description=__doc__)
     p.add_argument("--frames", type=int, default=2000)
     p.add_argument("--bytes", type=int, default=4000, help="~128 streamed outputs")
     p.add_argument("--interval", type=float, default=0.004, help="~250 engine steps/s")
