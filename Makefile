@@ -10,7 +10,7 @@ demo: setup
 	$(PY) scripts/demo.py
 
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=25
 	./scripts/client_pythons.sh
 
 test-slow: setup
