@@ -718,24 +718,20 @@ class SessionTable:
         """Overloaded if ``nbytes`` more tensor bytes would put the client's live requests,
         or all of them, over their bound (bytes the engine holds while they wait)."""
         limits = self.wire_limits
-        per_client = limits.max_multimodal_bytes_in_flight_per_client
-        if client.multimodal_bytes + nbytes > per_client:
-            return self._overloaded(
-                client_id,
-                request_id,
+        for limit, value, current in (
+            (
                 "max_multimodal_bytes_in_flight_per_client",
-                per_client,
+                limits.max_multimodal_bytes_in_flight_per_client,
                 client.multimodal_bytes,
-            )
-        total = limits.max_multimodal_bytes_in_flight
-        if self._live_multimodal_bytes + nbytes > total:
-            return self._overloaded(
-                client_id,
-                request_id,
+            ),
+            (
                 "max_multimodal_bytes_in_flight",
-                total,
+                limits.max_multimodal_bytes_in_flight,
                 self._live_multimodal_bytes,
-            )
+            ),
+        ):
+            if current + nbytes > value:
+                return self._overloaded(client_id, request_id, limit, value, current)
         return None
 
     def _check_gateway_fields(self, msg: Generate) -> str | None:
