@@ -1,10 +1,11 @@
 """Reference outputs from vLLM's offline ``LLM.generate``, run in a subprocess.
 
-A reference process serves one engine shape (model, max_model_len, tokenizer or not, LoRA
-or not, more ``LLM`` arguments) for the whole test session: the first call starts it, later
-calls with the same shape send their cases to it (each vLLM start costs 30-40 s on the
-2-core VM; before, every call paid it). At most ``_LIVE`` such processes run at once
-(least recently used stopped first); all stop when the session ends.
+A call with ``keep=True`` leaves its reference process running for the rest of the test
+session, for later calls of the same engine shape (model, max_model_len, tokenizer or not,
+LoRA or not, more ``LLM`` arguments): each vLLM start costs 30-40 s on the 2-core VM, and
+an idle vLLM process a few per cent of a core, so only shapes several tests use are kept
+(the tiny model, its second weight set, with and without LoRA). At most ``_LIVE`` run at
+once (least recently used stopped first); all stop when the session ends.
 
 Protocol: the spec {"model", "max_model_len", "tokenizer", "engine", "lora"} as one JSON
 line on stdin, then one JSON line of cases per call; one ``REFERENCE_JSON`` line of
@@ -39,12 +40,14 @@ def run_offline_reference(
     *,
     tokenizer: bool = False,
     engine: dict | None = None,
+    keep: bool = False,
 ) -> list[dict]:
     """Run ``cases`` through offline ``LLM.generate``; one result per case.
     ``tokenizer``: load the model's tokenizer (vLLM's default) instead of skipping it;
     ``engine``: more of ``LLM``'s arguments. A case's ``images`` go to vLLM's own
     multimodal processor with its prompt; a case's ``lora`` ([name, id, path]) needs a
-    reference process with LoRA on (another shape)."""
+    reference process with LoRA on (another shape). ``keep``: leave the process running
+    for later calls of this shape (else it stops after this one)."""
     spec = {
         "model": model,
         "max_model_len": max_model_len,
@@ -52,7 +55,12 @@ def run_offline_reference(
         "engine": engine or {},
         "lora": any(case.get("lora") for case in cases),
     }
-    return _reference_process(spec).run(cases)
+    process = _reference_process(spec)
+    try:
+        return process.run(cases)
+    finally:
+        if not keep:
+            _forget(process)
 
 
 class _ReferenceProcess:
@@ -121,6 +129,16 @@ def _reference_process(spec: dict) -> _ReferenceProcess:
             oldest.stop()  # waits for a call it is serving to end first (stdin closes)
         process = _processes[key] = _ReferenceProcess(spec)
         return process
+
+
+def _forget(process: _ReferenceProcess) -> None:
+    """Stop ``process`` (off the caller's thread: vLLM takes seconds to shut down, and the
+    process exits by itself once its stdin is closed)."""
+    with _processes_lock:
+        for key, held in list(_processes.items()):
+            if held is process:
+                del _processes[key]
+    threading.Thread(target=process.stop, name="reference-stop", daemon=True).start()
 
 
 @atexit.register

@@ -4,6 +4,7 @@ ids, three EOS ids) equal to offline vLLM."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -82,9 +83,12 @@ CASES = [  # ids above 65,535 on the wire both ways; model defaults (temperature
 @pytest.mark.engine
 async def test_the_gateway_on_a_llama3_vocabulary_equals_offline_vllm(llama3_vocab_model):
     cases = [{"prompt": p, "sampling": s, "defaults": True} for _, p, s in CASES]
-    offline = run_offline_reference(str(llama3_vocab_model), TEST_MAX_MODEL_LEN, cases)
+    reference = asyncio.ensure_future(  # beside the engine's start: two cores, two starts
+        asyncio.to_thread(run_offline_reference, str(llama3_vocab_model), TEST_MAX_MODEL_LEN, cases)
+    )
     args = cpu_engine_args(str(llama3_vocab_model))
     async with engine_gateway(args) as gateway, AsyncClient(gateway.addresses[0]) as client:
+        offline = await reference
         model = client.hello_ack.model
         assert (model.vocab_size, model.eos_token_ids) == (128256, LLAMA3_EOS)
         for (name, prompt, sampling), want in zip(CASES, offline, strict=True):

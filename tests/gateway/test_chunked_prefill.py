@@ -34,16 +34,24 @@ CASES = [
 
 @pytest.fixture(scope="module")
 async def chunked_gateway():
+    """The gateway, and (``gateway.offline``) unchunked offline vLLM's outputs for CASES,
+    computed while the engine starts (two cores, two starts)."""
+    cases = [{"prompt": p, "sampling": s} for _, p, s in CASES]
+    reference = asyncio.ensure_future(
+        asyncio.to_thread(
+            run_offline_reference, str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases, keep=True
+        )
+    )
     args = cpu_engine_args(
         max_num_batched_tokens=CHUNK, enable_chunked_prefill=True, max_num_seqs=CHUNK
     )
     async with engine_gateway(args) as gateway:
+        gateway.offline = await reference
         yield gateway
 
 
 async def test_seeded_prompts_prefilled_in_chunks_equal_unchunked_offline_vllm(chunked_gateway):
-    cases = [{"prompt": p, "sampling": s} for _, p, s in CASES]
-    offline = run_offline_reference(str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases)
+    offline = chunked_gateway.offline
     async with AsyncClient(chunked_gateway.addresses[0]) as client:
         # All at once, so they also share each step's budget.
         results = await asyncio.gather(

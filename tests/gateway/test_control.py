@@ -153,6 +153,7 @@ async def test_weight_reload_between_pause_and_resume_with_version_spans(client)
             str(model_b),
             TEST_MAX_MODEL_LEN,
             [{"prompt": prompt, "sampling": {"temperature": 0.0, "max_tokens": 24}}],
+            keep=True,
         )
     )
     before = await client.complete(prompt, greedy(24))
@@ -207,6 +208,7 @@ async def test_lora_loaded_at_runtime_matches_offline_and_unloads(client, tmp_pa
             str(ensure_tiny_model()),
             TEST_MAX_MODEL_LEN,
             [{"prompt": prompt, "sampling": sampling, "lora": ["style", 1, adapter]}],
+            keep=True,
         )
     )
     base = await client.complete(prompt, greedy(16))

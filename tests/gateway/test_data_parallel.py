@@ -80,7 +80,7 @@ def greedy_reference() -> list[list[int]]:
         {"prompt": p, "sampling": dict(temperature=0.0, max_tokens=m, ignore_eos=True)}
         for p, m in GREEDY_CASES
     ]
-    results = run_offline_reference(str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases)
+    results = run_offline_reference(str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases, keep=True)
     return [r["samples"][0]["token_ids"] for r in results]
 
 
@@ -380,6 +380,7 @@ async def test_a_weight_update_reaches_every_rank(client):
             str(model_b),
             TEST_MAX_MODEL_LEN,
             [{"prompt": prompt, "sampling": dict(temperature=0.0, max_tokens=16, ignore_eos=True)}],
+            keep=True,
         )
     )
     before = [

@@ -9,6 +9,7 @@ own computation: vLLM's engine would otherwise fill the context.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -44,15 +45,23 @@ def defaults_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 async def defaults_gateway(defaults_model):
+    """The gateway on the model, and (``gateway.offline``) offline vLLM's outputs for CASES,
+    computed while the engine starts (two cores, two starts)."""
+    cases = [{"prompt": p, "sampling": s, "defaults": True} for _, p, s in CASES]
+    reference = asyncio.ensure_future(
+        asyncio.to_thread(run_offline_reference, str(defaults_model), TEST_MAX_MODEL_LEN, cases)
+    )
     async with engine_gateway(cpu_engine_args(str(defaults_model))) as gateway:
+        results = await reference
+        gateway.offline = {
+            name: r["samples"][0] for (name, _, _), r in zip(CASES, results, strict=True)
+        }
         yield gateway
 
 
 @pytest.fixture(scope="module")
-def offline_defaults(defaults_model) -> dict[str, dict]:
-    cases = [{"prompt": p, "sampling": s, "defaults": True} for _, p, s in CASES]
-    results = run_offline_reference(str(defaults_model), TEST_MAX_MODEL_LEN, cases)
-    return {name: r["samples"][0] for (name, _, _), r in zip(CASES, results, strict=True)}
+def offline_defaults(defaults_gateway) -> dict[str, dict]:
+    return defaults_gateway.offline
 
 
 @pytest.mark.parametrize(("name", "prompt", "sampling"), CASES, ids=[c[0] for c in CASES])
@@ -116,9 +125,12 @@ async def test_a_generation_config_without_eos_ids_lists_none_and_stops_at_none(
     """ModelInfo.eos_token_ids are exactly the ids vLLM stops on (PROTOCOL section 11):
     none here, though config.json names [2, 3]; the output equals offline vLLM's."""
     case = {"prompt": [5, 6, 7], "sampling": NO_EOS_SAMPLING, "defaults": True}
-    (offline,) = run_offline_reference(str(no_eos_model), TEST_MAX_MODEL_LEN, [case])
+    reference = asyncio.ensure_future(
+        asyncio.to_thread(run_offline_reference, str(no_eos_model), TEST_MAX_MODEL_LEN, [case])
+    )
     args = cpu_engine_args(str(no_eos_model))
     async with engine_gateway(args) as gateway, AsyncClient(gateway.addresses[0]) as client:
+        (offline,) = await reference
         assert client.hello_ack.model.eos_token_ids == []
         done = await client.complete([5, 6, 7], SamplingParams(**NO_EOS_SAMPLING))
     assert done.token_ids == offline["samples"][0]["token_ids"] == [3] * 6
@@ -143,9 +155,14 @@ async def test_with_the_tokenizer_loaded_its_eos_stops_too_as_in_offline_vllm(tm
         {"prompt": [5, 6, 7], "sampling": dict(seed=5, max_tokens=6, allowed_token_ids=allowed)}
         for _, allowed in TOKENIZER_CASES
     ]
-    offline = run_offline_reference(str(model), TEST_MAX_MODEL_LEN, cases, tokenizer=True)
+    reference = asyncio.ensure_future(
+        asyncio.to_thread(
+            run_offline_reference, str(model), TEST_MAX_MODEL_LEN, cases, tokenizer=True
+        )
+    )
     args = cpu_engine_args(str(model), skip_tokenizer_init=False)
     async with engine_gateway(args) as gateway, AsyncClient(gateway.addresses[0]) as client:
+        offline = await reference
         assert client.hello_ack.model.eos_token_ids == [2, 3]
         for (name, allowed), case, want in zip(TOKENIZER_CASES, cases, offline, strict=True):
             done = await client.complete(case["prompt"], SamplingParams(**case["sampling"]))

@@ -55,13 +55,8 @@ def vlm_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def offline(vlm_path):
-    cases = [
-        {"prompt": prompt, "images": [list(i) for i in images], "sampling": _greedy_dict()}
-        for prompt, images in CASES
-    ]
-    results = run_offline_reference(vlm_path, MAX_LEN, cases, tokenizer=True, engine=ENGINE)
-    return [r["samples"][0]["token_ids"] for r in results]
+def offline(vlm_gateway):
+    return vlm_gateway.offline
 
 
 def _greedy_dict() -> dict:
@@ -79,8 +74,18 @@ def processor(vlm_path):
 async def vlm_gateway(vlm_path):
     from gateway.auth import ControlPolicy
 
+    cases = [
+        {"prompt": prompt, "images": [list(i) for i in images], "sampling": _greedy_dict()}
+        for prompt, images in CASES
+    ]
+    reference = asyncio.ensure_future(  # offline vLLM's outputs, while the engine starts
+        asyncio.to_thread(
+            run_offline_reference, vlm_path, MAX_LEN, cases, tokenizer=True, engine=ENGINE
+        )
+    )
     args = cpu_engine_args(vlm_path, **ENGINE)
     async with engine_gateway(args, control=ControlPolicy(open=True)) as gateway:
+        gateway.offline = [r["samples"][0]["token_ids"] for r in await reference]
         yield gateway
 
 

@@ -5,6 +5,8 @@ Gemma; its vision tower loads on this CPU wheel only with the plugin's fix,
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from client import AsyncClient
@@ -41,13 +43,13 @@ async def test_images_match_offline_vllm(tmp_path_factory, architecture):
                                                         "ignore_eos": True}}
         for p, i in CASES
     ]  # fmt: skip
-    offline = [
-        r["samples"][0]["token_ids"]
-        for r in run_offline_reference(model, 512, cases, tokenizer=True, engine=ENGINE)
-    ]
-    assert offline[0] != offline[1]  # the image decides the output
+    reference = asyncio.ensure_future(  # beside the engine's start: two cores, two starts
+        asyncio.to_thread(run_offline_reference, model, 512, cases, tokenizer=True, engine=ENGINE)
+    )
     processor = MultimodalProcessor(model)
     async with engine_gateway(cpu_engine_args(model, **ENGINE)) as gateway:
+        offline = [r["samples"][0]["token_ids"] for r in await reference]
+        assert offline[0] != offline[1]  # the image decides the output
         schema = gateway.engine._multimodal.schemas["image"]
         assert (schema.count_key, schema.scale) == (None, 4)  # a fixed 4 embeddings
         assert schema.keys["pixel_values"].fixed == {0: 3, 1: 28, 2: 28}

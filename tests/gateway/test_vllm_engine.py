@@ -72,7 +72,7 @@ SAMPLE_CASES = [
 def offline_reference() -> dict[str, dict]:
     """Run vLLM's offline LLM.generate on every case in a subprocess."""
     cases = [{"prompt": p, "sampling": s} for _, p, s in CASES + SAMPLE_CASES]
-    results = run_offline_reference(str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases)
+    results = run_offline_reference(str(ensure_tiny_model()), TEST_MAX_MODEL_LEN, cases, keep=True)
     return {
         name: result for (name, _, _), result in zip(CASES + SAMPLE_CASES, results, strict=True)
     }
