@@ -55,12 +55,12 @@ def run_offline_reference(
         "engine": engine or {},
         "lora": any(case.get("lora") for case in cases),
     }
-    process = _reference_process(spec)
+    process = _reference_process(spec, keep)
     try:
         return process.run(cases)
     finally:
-        if not keep:
-            _forget(process)
+        if not process.kept:  # off this thread: vLLM takes seconds to shut down
+            threading.Thread(target=process.stop, name="reference-stop", daemon=True).start()
 
 
 class _ReferenceProcess:
@@ -77,6 +77,7 @@ class _ReferenceProcess:
             cwd=ROOT,
         )
         self._lock = threading.Lock()
+        self.kept = False  # registered for later calls (``keep``)
         self._send(spec)
 
     def _send(self, message: object) -> None:
@@ -117,28 +118,23 @@ _processes: collections.OrderedDict[str, _ReferenceProcess] = collections.Ordere
 _processes_lock = threading.Lock()
 
 
-def _reference_process(spec: dict) -> _ReferenceProcess:
+def _reference_process(spec: dict, keep: bool) -> _ReferenceProcess:
+    """A kept process of this shape; else a new one, kept (and registered, the least
+    recently used kept one stopped past ``_LIVE``) if ``keep``, else the caller's alone."""
     key = json.dumps(spec, sort_keys=True)
     with _processes_lock:
         process = _processes.get(key)
         if process is not None:
             _processes.move_to_end(key)
             return process
+        if not keep:
+            return _ReferenceProcess(spec)
         while len(_processes) >= _LIVE:
             _, oldest = _processes.popitem(last=False)
-            oldest.stop()  # waits for a call it is serving to end first (stdin closes)
+            oldest.stop()  # a call it is serving ends first (the process reads on to EOF)
         process = _processes[key] = _ReferenceProcess(spec)
+        process.kept = True
         return process
-
-
-def _forget(process: _ReferenceProcess) -> None:
-    """Stop ``process`` (off the caller's thread: vLLM takes seconds to shut down, and the
-    process exits by itself once its stdin is closed)."""
-    with _processes_lock:
-        for key, held in list(_processes.items()):
-            if held is process:
-                del _processes[key]
-    threading.Thread(target=process.stop, name="reference-stop", daemon=True).start()
 
 
 @atexit.register
