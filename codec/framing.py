@@ -182,9 +182,8 @@ def _head(payload: Buffer) -> _Head | None:
     """The head of a message that failed validation; None if it is not one msgpack value."""
     if len(payload) > _FULL_PEEK_BYTES:
         try:
-            length = _Reader(payload).array()
             reader = _Reader(payload)
-            reader.array()
+            length = reader.array()
             tag = reader.integer() if length else None
         except IndexError:
             return _Head(None, None, None, None)

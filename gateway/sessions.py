@@ -372,9 +372,9 @@ class SessionTable:
                 client.name = msg.client_name
                 return Effects(replies=[(client_id, self._hello_ack(client))])
             client.fresh = False
-        # A Generate or PrefixQuery decoded under the gateway's bounds is a subclass.
-        handler = self._handlers.get(type(msg)) or self._handlers[wire_type(msg)]
-        effects = handler(client_id, msg, now)
+        # By wire type: a Generate or PrefixQuery decoded under the gateway's bounds is a
+        # subclass of it (codec.bounds).
+        effects = self._handlers[wire_type(msg)](client_id, msg, now)
         if key is not None and type(msg) is Hello and client_id in self._clients:
             self._clients[client_id].key = key
         return effects

@@ -97,8 +97,7 @@ class WeightTransferControls:
         except Exception as exc:
             await self._update_failed(exc)
         self._empty_buffers()
-        per_engine = await self._worker_states_per_engine("engine_gateway_weight_update_state")
-        states = [state for workers in per_engine for state in workers]
+        states = await self._worker_states("engine_gateway_weight_update_state")
         updated = min((s["layers_updated"] for s in states), default=0)
         layers = min((s["layers"] for s in states), default=0)
         if len({s.get("tensors_digest") for s in states}) > 1:
@@ -108,7 +107,7 @@ class WeightTransferControls:
                 f"the workers received different tensors (counts {counts})",
                 states,
             )
-        elif _replicas_differ(per_engine):
+        elif await self._replicas_differ():
             # Same tensor names, other bytes (a rank given another trainer's chunk).
             self._after_failure("the data-parallel ranks now hold different weights", states)
         if self.weights_incomplete is not None and updated >= layers > 0:
@@ -203,21 +202,26 @@ class WeightTransferControls:
         with engine_death_named(self._engine_pids):
             await self._client.call_utility_all_async("collective_rpc", method, None, (), kwargs)
 
-    async def _worker_states(self, method: str) -> list[dict[str, Any]]:
-        per_engine = await self._worker_states_per_engine(method)
+    async def _worker_states(self, method: str) -> list[Any]:
+        per_engine = await self._per_engine(method)
         return [state for workers in per_engine for state in workers]
 
-    async def _worker_states_per_engine(self, method: str) -> list[list[dict[str, Any]]]:
+    async def _per_engine(self, method: str) -> list[list[Any]]:
         """``method``'s result per engine (DP rank), per worker (TP/PP shard) within it."""
         with engine_death_named(self._engine_pids):
             return await self._client.call_utility_all_async(
                 "collective_rpc", method, None, (), None
             )
 
+    async def _replicas_differ(self) -> bool:
+        """Do the DP ranks now hold other weights? Asked of the workers' parameters only
+        where there are replicas to compare (one engine has none)."""
+        if self._vllm_config.parallel_config.data_parallel_size < 2:
+            return False
+        return replicas_differ(await self._per_engine("engine_gateway_weights_digest"))
 
-def _replicas_differ(per_engine: list[list[dict[str, Any]]]) -> bool:
-    """Do a worker and its peers in the other DP ranks (the same shard) hold other weights?"""
-    for peers in zip(*per_engine, strict=False):
-        if len({state.get("weights_digest") for state in peers}) > 1:
-            return True
-    return False
+
+def replicas_differ(per_engine: list[list[str]]) -> bool:
+    """Does a worker's digest (``per_engine``: per DP rank, per worker) differ from its
+    peers' in the other ranks (the same TP/PP shard: shards differ by design)?"""
+    return any(len(set(peers)) > 1 for peers in zip(*per_engine, strict=False))

@@ -247,9 +247,11 @@ def guard_weight_updates() -> None:
             "layers_not_updated": missing[:8],
             "tensors_received": len(progress.received),
             "tensors_digest": digest.hexdigest(),  # the same on every worker of a good update
-            # The same on each worker's peers in the other DP ranks (one TP/PP shard):
-            "weights_digest": weights_digest(self.model_runner.get_model()),
         }
+
+    def engine_gateway_weights_digest(self: Any) -> str:
+        # The same on each worker's peers in the other DP ranks (one TP/PP shard).
+        return weights_digest(self.model_runner.get_model())
 
     def engine_gateway_weight_update_active(self: Any) -> bool:
         return bool(getattr(self, "_weight_update_active", False))
@@ -265,6 +267,7 @@ def guard_weight_updates() -> None:
     Worker.engine_gateway_weight_update_state = engine_gateway_weight_update_state
     Worker.engine_gateway_abandon_weight_update = engine_gateway_abandon_weight_update
     Worker.engine_gateway_weight_update_active = engine_gateway_weight_update_active
+    Worker.engine_gateway_weights_digest = engine_gateway_weights_digest
     Worker._engine_gateway_update_guard = True
 
 
