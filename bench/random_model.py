@@ -172,3 +172,39 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_random_lora(model: Path, out: Path, rank: int = 8, seed: int = 0) -> Path:
+    """A PEFT adapter for the Llama checkpoint in ``model`` (its config.json): rank-``rank``
+    updates of q_proj and v_proj in every layer, random, as vLLM reads them."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    outputs = {
+        "q_proj": config["num_attention_heads"] * head_dim,
+        "v_proj": config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim,
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, size in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(size, rank, generator=generator) * 0.01
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(outputs),
+        "base_model_name_or_path": str(model),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter))
+    return out

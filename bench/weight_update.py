@@ -9,12 +9,14 @@ with the same backend: /pause, /start_weight_update, /update_weights, /finish_we
     python -m bench.weight_update --model llama-3.2-1b --rounds 3   # random weights, ~2.5 GB
 
 Each round, while nothing runs: in memory, the update holding generation with keep (its
-hold ends with the update), from disk and over HTTP between Pause(keep) and Resume. In
-memory, split into start, transfer (write each bucket and UpdateWeights it) and finish;
-from disk, into
-writing the checkpoint (safetensors, to ``--disk-dir``) and ReloadWeights; over HTTP, as in
-memory. Results:
-``bench/results/weight_update_<model>.md`` (and .json).
+hold ends with the update), then from disk (rounds interleaved), then over HTTP between
+Pause(keep) and Resume. In memory, split into start, transfer (write each bucket and
+UpdateWeights it; within it, the trainer's copy-in and the workers' load) and finish; from
+disk, into writing the checkpoint (safetensors, to ``--disk-dir``) and ReloadWeights; over
+HTTP, as in memory; and one plain memcpy of the same bytes, for scale. ``--arena-mb``
+(the gateway's arena; 0: buffer files), ``--lora`` (an adapter loaded) and
+``--data-parallel-size`` vary the setup. Results:
+``bench/results/weight_update_<model>[_lora][_dp2][_files].md`` (and .json).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,30 +59,58 @@ def load_tensors(path: str) -> list[tuple[str, object]]:
     return list(tensors.items())
 
 
-async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str, http: bool) -> dict:
+async def measure(
+    path: str,
+    rounds: int,
+    bucket_bytes: int,
+    disk_dir: str,
+    http: bool,
+    *,
+    arena_mb: int = 1024,
+    lora: bool = False,
+    data_parallel_size: int = 1,
+) -> dict:
     """The gateway's rounds (``python -m gateway serve``; in memory, then from disk), then
     vLLM's HTTP routes' rounds (``vllm serve``); each server alone on the machine (two idle
     CPU engines side by side slow each other's updates several-fold on 2 cores), after one
-    round not counted. The trainer is this process."""
+    round not counted. The trainer is this process. ``arena_mb``: the gateway's
+    ``--weight-arena-mb`` (0: buffer files); ``lora``: an adapter loaded (and used) first;
+    ``data_parallel_size``: engines that all load every update."""
     from bench.targets import EngineSetup, GatewayServer
     from client import AsyncClient
-    from client.weight_sync import buffer_folder
+    from client.weight_sync import buffer_arena, buffer_folder
 
-    setup = EngineSetup(max_model_len=512, extra_flags=_TRANSFER_FLAGS)
+    flags = list(_TRANSFER_FLAGS)
+    if lora:
+        flags += ["--enable-lora", "--max-lora-rank", "8"]
+    setup = EngineSetup(
+        max_model_len=512, extra_flags=tuple(flags), data_parallel_size=data_parallel_size
+    )
     tensors = load_tensors(path)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     result: dict = {"bytes": nbytes, "tensors": len(tensors), "memory": [], "disk": []}
-    server = GatewayServer(path, extra_flags=("--control-open",), setup=setup)
+    result["memcpy"] = memcpy_seconds(nbytes)
+    result["setup"] = {"arena_mb": arena_mb, "lora": lora, "data_parallel_size": data_parallel_size}
+    server = GatewayServer(
+        path,
+        extra_flags=("--control-open", "--weight-arena-mb", str(arena_mb)),
+        setup=setup,
+    )
     try:
         async with AsyncClient(
             server.ipc, name="bench-trainer", connect_timeout_s=300, heartbeat_interval_s=5.0
         ) as gw:
-            folder = buffer_folder(await gw.init_weight_transfer_engine({}))
-            # In memory first: a checkpoint write leaves gigabytes of dirty pages behind.
-            memory = [
-                await _in_memory(gw, tensors, bucket_bytes, folder, r) for r in range(rounds + 1)
-            ]
-            disk = [await _from_disk(gw, tensors, disk_dir, r) for r in range(rounds + 1)]
+            if lora:
+                await _load_adapter(gw, path)
+            init = await gw.init_weight_transfer_engine({})
+            folder, arena = buffer_folder(init), buffer_arena(init)
+            result["arena_bytes"] = arena[1] if arena else 0
+            # Interleaved (the VM's memory speed drifts over minutes); each checkpoint write
+            # is synced before its reload, and removed after it.
+            memory, disk = [], []
+            for r in range(rounds + 1):
+                memory.append(await _in_memory(gw, tensors, bucket_bytes, folder, arena, r))
+                disk.append(await _from_disk(gw, tensors, disk_dir, r))
             result["memory"], result["disk"] = memory[1:], disk[1:]  # the first warms up
     finally:
         server.stop()
@@ -99,21 +130,68 @@ async def measure(path: str, rounds: int, bucket_bytes: int, disk_dir: str, http
 
 
 async def _in_memory(  # noqa: ANN001
-    gw, tensors: list, bucket_bytes: int, folder: str, round_: int
+    gw, tensors: list, bucket_bytes: int, folder: str, arena: tuple | None, round_: int
 ) -> dict:
     from client.weight_sync import shared_memory_buckets
 
+    loading = 0.0
     t0 = time.perf_counter()
     await gw.start_weight_update("keep")  # the gateway's hold ends with the update
     t1 = time.perf_counter()
-    with shared_memory_buckets(tensors, bucket_bytes=bucket_bytes, directory=folder) as buckets:
+    with shared_memory_buckets(
+        tensors, bucket_bytes=bucket_bytes, directory=folder, arena=arena
+    ) as buckets:
         for info in buckets:
+            sent = time.perf_counter()
             await gw.update_weights(info)
+            loading += time.perf_counter() - sent
+        copy_in = buckets.write_seconds
     t2 = time.perf_counter()
     done = await gw.finish_weight_update(f"mem-{round_}")
     t3 = time.perf_counter()
     assert done.result["layers_updated"] == done.result["layers"], done.result
-    return {"start": t1 - t0, "transfer": t2 - t1, "finish": t3 - t2, "total": t3 - t0}
+    return {
+        "start": t1 - t0,
+        "transfer": t2 - t1,
+        "copy_in": copy_in,  # the trainer copying tensors into shared memory
+        "load": loading,  # UpdateWeights calls: the workers loading them
+        "finish": t3 - t2,
+        "total": t3 - t0,
+    }
+
+
+async def _load_adapter(gw, path: str) -> None:  # noqa: ANN001
+    """A random rank-8 adapter for the model, loaded and used once."""
+    from bench.random_model import write_random_lora
+    from codec import RequestOptions, SamplingParams
+
+    folder = Path(tempfile.mkdtemp(prefix="eg-bench-lora-"))
+    write_random_lora(Path(path), folder)
+    await gw.load_lora("bench-adapter", str(folder))
+    stream = gw.generate(
+        [1, 2, 3], SamplingParams(max_tokens=2), options=RequestOptions(lora_name="bench-adapter")
+    )
+    async for _ in stream:
+        pass
+
+
+def memcpy_seconds(nbytes: int, chunk: int = 256 << 20) -> float:
+    """One plain copy of ``nbytes`` between buffers already in memory (torch's copy_,
+    through a ``chunk`` at a time), best of 3: what moving the weights once costs here."""
+    import torch
+
+    chunk = min(chunk, max(nbytes, 1))
+    source = torch.ones(chunk, dtype=torch.uint8)
+    target = torch.zeros(chunk, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        started, left = time.perf_counter(), nbytes
+        while left > 0:
+            size = min(chunk, left)
+            target[:size].copy_(source[:size])
+            left -= size
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 async def _from_disk(gw, tensors: list, disk_dir: str, round_: int) -> dict:  # noqa: ANN001
@@ -172,16 +250,25 @@ def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
     def median(rows: list[dict], key: str) -> float:
         return statistics.median(r[key] for r in rows) * 1000
 
+    def rate(rows: list[dict], key: str) -> str:
+        return f"{result['bytes'] / 2**30 / (median(rows, key) / 1000):.2f} GiB/s"
+
     mem, disk, http = result["memory"], result["disk"], result.get("vllm-http", [])
     gib = result["bytes"] / 2**30
+    setup = result.get("setup", {})
+    memcpy_ms = result["memcpy"] * 1000
+    arena = setup.get("arena_mb", 0)
+    where = f"a {arena} MiB arena" if arena else "buffer files"
     lines = [
         f"# One weight update, {name} ({gib:.2f} GiB, {result['tensors']} tensors), ms",
         "",
-        f"`python -m bench.weight_update --model {name} --rounds {args.rounds}`"
-        f" (buckets of {args.bucket_bytes >> 20} MiB, checkpoint written to {args.disk_dir}),"
-        " medians after a round not counted; CPU engine; in memory the update holds generation"
-        " (keep) itself, from disk and over HTTP between Pause(keep) and Resume; the gateway's"
-        " rounds, then vLLM's server's (each alone on the machine).",
+        f"`python -m bench.weight_update {' '.join(args.argv)}`"
+        f" (buckets of at most {args.bucket_bytes >> 20} MiB in {where}; checkpoint written to"
+        f" {args.disk_dir}; LoRA adapter loaded: {'yes' if setup.get('lora') else 'no'}; data"
+        f" parallel size {setup.get('data_parallel_size', 1)}), medians of {args.rounds} rounds"
+        " after one not counted; CPU engine; in memory the update holds generation (keep)"
+        " itself, from disk and over HTTP between Pause(keep) and Resume; the gateway's rounds,"
+        " then vLLM's server's (each alone on the machine).",
         "",
         "| path | total | parts |",
         "|---|---:|---|",
@@ -199,16 +286,29 @@ def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
             if http
             else []
         ),
+        f"| one plain memcpy of the same bytes | {memcpy_ms:.0f} | best of 3 |",
         "",
-        f"In memory through the gateway: {median(mem, 'total') / median(disk, 'total'):.2f}x"
-        " the time of a checkpoint write and reload"
+        "Phases of the in-memory update (the trainer's copy-in runs on a thread, beside the"
+        " workers' load of the bucket before):",
+        "",
+        "| phase | ms | rate |",
+        "|---|---:|---:|",
+        f"| trainer copy-in | {median(mem, 'copy_in'):.0f} | {rate(mem, 'copy_in')} |",
+        f"| workers' load (UpdateWeights calls) | {median(mem, 'load'):.0f} |"
+        f" {rate(mem, 'load')} |",
+        f"| finish (layers built, KV cache scrubbed) | {median(mem, 'finish'):.0f} |"
+        f" {rate(mem, 'finish')} |",
+        f"| whole update | {median(mem, 'total'):.0f} | {rate(mem, 'total')} |",
+        "",
+        f"In memory through the gateway: {median(disk, 'total') / median(mem, 'total'):.2f}x"
+        f" faster than a checkpoint write and reload; {median(mem, 'total') / memcpy_ms:.2f}x"
+        " the time of one memcpy"
         + (
-            f", {median(mem, 'total') / median(http, 'total'):.2f}x that of vLLM's HTTP routes"
+            f"; {median(http, 'total') / median(mem, 'total'):.2f}x faster than vLLM's HTTP routes"
             if http
             else ""
         )
-        + f"; {result['bytes'] / median(mem, 'transfer') * 1000 / 2**30:.2f} GiB/s through"
-        " the transfer.",
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -220,17 +320,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-bytes", type=int, default=512 << 20)
     p.add_argument("--disk-dir", default=tempfile.gettempdir())
     p.add_argument("--no-http", action="store_true", help="skip vLLM's HTTP routes")
+    p.add_argument(
+        "--arena-mb", type=int, default=1024, help="the gateway's --weight-arena-mb (0: files)"
+    )
+    p.add_argument("--lora", action="store_true", help="load and use a LoRA adapter first")
+    p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path = model_path(args.model)
     result = asyncio.run(
-        measure(path, args.rounds, args.bucket_bytes, args.disk_dir, http=not args.no_http)
+        measure(
+            path,
+            args.rounds,
+            args.bucket_bytes,
+            args.disk_dir,
+            http=not args.no_http,
+            arena_mb=args.arena_mb,
+            lora=args.lora,
+            data_parallel_size=args.data_parallel_size,
+        )
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"weight_update_{args.model}.json").write_text(json.dumps(result, indent=1))
+    stem = f"weight_update_{args.model}" + "".join(
+        suffix
+        for suffix, on in (
+            ("_lora", args.lora),
+            (f"_dp{args.data_parallel_size}", args.data_parallel_size > 1),
+            ("_files", args.arena_mb == 0),
+        )
+        if on
+    )
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     text = markdown(args.model, result, args)
-    (args.out / f"weight_update_{args.model}.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
     return 0
 

@@ -85,6 +85,7 @@ class CpuTrainerWeightTransferEngine(TrainerWeightTransferEngine[CpuTrainerInitI
                 self.source,
                 bucket_bytes=self.init_info.bucket_bytes,
                 directory=self.client.directory,  # type: ignore[attr-defined]
+                arena=getattr(self.client, "arena", None),
             ) as buckets:
                 for update_info in buckets:
                     self.client.update_weights(update_info)

@@ -23,6 +23,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "GatewayWeightSyncClient",
     "IncompleteWeightUpdate",
     "asend_weights",
+    "buffer_arena",
     "buffer_folder",
     "send_weights",
     "shared_memory_buckets",
@@ -57,6 +59,19 @@ class IncompleteWeightUpdate(RuntimeError):
             f" {result.get('layers')} layers; kept: {result.get('layers_not_updated')}"
         )
         self.result = result
+
+
+def buffer_arena(init_reply: ControlDone) -> tuple[str, int] | None:
+    """The gateway's shared-memory arena for the ``cpu`` backend (InitWeightTransfer's
+    reply): its path and size, or None where the gateway has none (``--weight-arena-mb
+    0``, or an older gateway)."""
+    result = init_reply.result
+    if not isinstance(result, dict):
+        return None
+    path, size = result.get("arena"), result.get("arena_bytes")
+    if isinstance(path, str) and path and isinstance(size, int) and size > 0:
+        return path, size
+    return None
 
 
 def buffer_folder(init_reply: ControlDone) -> str:
@@ -80,12 +95,14 @@ class GatewayWeightSyncClient:
         self.client = client
         self.require_complete = require_complete
         self.directory: str | None = None  # the cpu backend's buffer folder, after init
+        self.arena: tuple[str, int] | None = None  # and its shared-memory arena, if any
         self.last_result: dict[str, Any] | None = None  # the latest finish's result
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         reply = self.client.init_weight_transfer_engine(init_info)
         with contextlib.suppress(ValueError):  # another backend names no folder
             self.directory = buffer_folder(reply)
+        self.arena = buffer_arena(reply)
 
     def start_weight_update(self) -> None:
         self.client.start_weight_update()
@@ -121,15 +138,22 @@ def shared_memory_buckets(
     *,
     directory: str,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    arena: tuple[str, int] | None = None,
 ) -> Iterator[Iterator[dict[str, Any]]]:
     """The ``cpu`` backend's ``update_info`` maps for ``named_tensors``, one per bucket of
-    at most ``bucket_bytes`` (a larger tensor gets a bucket of its own). Each bucket is a
-    file in ``directory`` (the gateway's buffer folder: ``buffer_folder``); the next one is
-    written on a thread while the caller sends this one, and each is removed once the next
-    is asked for, or on exit (the workers copy what a chunk names before answering it).
-    Tensors are read from wherever they live (moved to CPU). The iterator may be advanced
-    from another thread; leaving the block waits for a bucket being written."""
-    buckets = _Buckets(named_tensors, bucket_bytes, directory)
+    at most ``bucket_bytes`` (a larger tensor gets a bucket of its own). The next bucket
+    is written on a thread while the caller sends this one.
+
+    With ``arena`` (the gateway's shared-memory arena: ``buffer_arena``), buckets fill its
+    two halves in turn, in place (at most half of it each): no file, no fresh page. A
+    bucket goes into a file in ``directory`` (the gateway's buffer folder:
+    ``buffer_folder``) where there is no arena, where this process cannot open it (another
+    user or PID namespace), or for a tensor larger than half of it; a file is removed once
+    the next bucket is asked for, or on exit (the workers have loaded or copied what a
+    chunk names before answering it). Tensors are read from wherever they live (moved to
+    CPU). The iterator may be advanced from another thread; leaving the block waits for a
+    bucket being written."""
+    buckets = _Buckets(named_tensors, bucket_bytes, directory, arena)
     try:
         yield buckets
     finally:
@@ -140,7 +164,16 @@ class _Buckets:
     """Buckets written one ahead on a thread; safe to advance from any one thread at a
     time and to close from another (close waits for an advance under way)."""
 
-    def __init__(self, named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int, directory: str):
+    def __init__(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        bucket_bytes: int,
+        directory: str,
+        arena: tuple[str, int] | None = None,
+    ):
+        self._arena = _ArenaWriter.open(*arena) if arena is not None else None
+        if self._arena is not None:
+            bucket_bytes = min(bucket_bytes, self._arena.half)
         self._groups = _groups(named_tensors, bucket_bytes)
         self._directory = directory
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="weight-buckets")
@@ -149,6 +182,7 @@ class _Buckets:
         self._sent: str | None = None  # the bucket handed out last
         self._written: list[str] = []  # files not removed yet
         self._closed = False
+        self.write_seconds = 0.0  # spent copying tensors in (for benchmarks)
 
     def __iter__(self) -> _Buckets:
         return self
@@ -166,7 +200,8 @@ class _Buckets:
                 raise StopIteration
             info = self._pending.result()
             self._pending = self._write_next()  # written while this one is sent
-            self._sent = info["buffer"]
+            if self._arena is None or info["buffer"] != self._arena.path:
+                self._sent = info["buffer"]
             return info
 
     def _write_next(self) -> Future | None:
@@ -174,7 +209,17 @@ class _Buckets:
         if group is None:
             return None
         tensors, size = group
-        return self._writer.submit(_write_bucket, tensors, size, self._directory, self._written)
+        return self._writer.submit(self._timed_write, tensors, size)
+
+    def _timed_write(self, tensors: list[tuple[str, Any]], size: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            if self._arena is not None and size <= self._arena.half:
+                # The half the bucket before last used: that chunk has been answered.
+                return self._arena.write(tensors)
+            return _write_bucket(tensors, size, self._directory, self._written)
+        finally:
+            self.write_seconds += time.perf_counter() - started
 
     def _remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -188,6 +233,69 @@ class _Buckets:
             self._writer.shutdown(wait=True)  # a bucket being written ends first
             for path in list(self._written):
                 self._remove(path)
+            if self._arena is not None:
+                self._arena.close()
+
+
+class _ArenaWriter:
+    """The trainer's use of the gateway's arena: buckets go into its halves in turn."""
+
+    def __init__(self, path: str, mapping: mmap.mmap, size: int):
+        self.path = path
+        self.half = size // 2 // _ALIGN * _ALIGN
+        self._mapping = mapping
+        self._next_half = 0
+
+    @classmethod
+    def open(cls, path: str, size: int) -> _ArenaWriter | None:
+        """The arena at ``path`` mapped shared; None where this process cannot open it."""
+        mapping = _mapped_arena(path, size)
+        return None if mapping is None else cls(path, mapping, size)
+
+    def write(self, bucket: list[tuple[str, Any]]) -> dict[str, Any]:
+        """Copy ``bucket``'s tensors into the next half; its ``update_info``."""
+        base = self._next_half * self.half
+        self._next_half ^= 1
+        info = _copy_into(self._mapping, base, bucket)
+        info["buffer"] = self.path
+        return info
+
+    def close(self) -> None:
+        """Nothing to give back: the mapping stays for the next update (``_mapped_arena``)."""
+
+
+_arena_mapping: tuple[tuple[int, int, int], mmap.mmap] | None = None
+_arena_lock = threading.Lock()
+
+
+def _mapped_arena(path: str, size: int) -> mmap.mmap | None:
+    """This process's mapping of the arena at ``path``, kept from one update to the next
+    (its page tables filled once: each update writes the same pages), replaced when the
+    gateway's arena is another (a gateway restarted). None where this process cannot
+    open it (another user or PID namespace)."""
+    global _arena_mapping
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(fd)
+        if found.st_size != size:
+            return None
+        key = (found.st_dev, found.st_ino, size)
+        with _arena_lock:
+            if _arena_mapping is not None and _arena_mapping[0] == key:
+                return _arena_mapping[1]
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            if _arena_mapping is not None:
+                with contextlib.suppress(BufferError):  # still written to: it goes with it
+                    _arena_mapping[1].close()
+            _arena_mapping = (key, mapping)
+            return mapping
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _groups(
@@ -224,11 +332,12 @@ def send_weights(
     some layers took new weights and generation is refused until a complete update); that,
     a timeout or Ctrl-C first abandons the update (AbandonWeightUpdate)."""
     _check_pause(pause)
-    directory = buffer_folder(client.init_weight_transfer_engine({}))
+    init = client.init_weight_transfer_engine({})
+    directory, arena = buffer_folder(init), buffer_arena(init)
     client.start_weight_update(None if pause == "none" else pause)
     try:
         with shared_memory_buckets(
-            named_tensors, bucket_bytes=bucket_bytes, directory=directory
+            named_tensors, bucket_bytes=bucket_bytes, directory=directory, arena=arena
         ) as buckets:
             for update_info in buckets:
                 client.update_weights(update_info)
@@ -251,9 +360,10 @@ async def asend_weights(
     (its heartbeats go on meanwhile). Cancelling it abandons the update and raises
     CancelledError."""
     _check_pause(pause)
-    directory = buffer_folder(await client.init_weight_transfer_engine({}))
+    init = await client.init_weight_transfer_engine({})
+    directory, arena = buffer_folder(init), buffer_arena(init)
     await client.start_weight_update(None if pause == "none" else pause)
-    buckets = _Buckets(named_tensors, bucket_bytes, directory)
+    buckets = await asyncio.to_thread(_Buckets, named_tensors, bucket_bytes, directory, arena)
     try:
         while (update_info := await asyncio.to_thread(next, buckets, None)) is not None:
             await client.update_weights(update_info)
@@ -279,33 +389,37 @@ def _write_bucket(
     bucket: list[tuple[str, Any]], size: int, directory: str, files: list[str]
 ) -> dict[str, Any]:
     """Write ``bucket``'s tensors into a new file in ``directory``; its ``update_info``."""
-    import torch
-
     fd, path = tempfile.mkstemp(prefix="bucket-", dir=directory)
     files.append(path)
-    names, dtype_names, shapes, offsets = [], [], [], []
     try:
         os.ftruncate(fd, max(size, 1))
         with mmap.mmap(fd, max(size, 1)) as mapping:
-            raw = torch.frombuffer(mapping, dtype=torch.uint8)
-            offset = 0
-            for name, tensor in bucket:
-                data = tensor.detach().to("cpu").contiguous().reshape(-1)
-                nbytes = data.numel() * data.element_size()
-                if nbytes:
-                    raw[offset : offset + nbytes].copy_(data.view(torch.uint8))
-                names.append(name)
-                dtype_names.append(str(tensor.dtype).removeprefix("torch."))
-                shapes.append(list(tensor.shape))
-                offsets.append(offset)
-                offset += _aligned(nbytes)
-            del raw
+            info = _copy_into(mapping, 0, bucket)
     finally:
         os.close(fd)
-    return {
-        "buffer": path,
-        "names": names,
-        "dtype_names": dtype_names,
-        "shapes": shapes,
-        "offsets": offsets,
-    }
+    info["buffer"] = path
+    return info
+
+
+def _copy_into(mapping: mmap.mmap, base: int, bucket: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Copy ``bucket``'s tensors into ``mapping`` from byte ``base`` on, each aligned; the
+    ``update_info`` naming them (without ``buffer``)."""
+    import torch
+
+    names, dtype_names, shapes, offsets = [], [], [], []
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    try:
+        offset = base
+        for name, tensor in bucket:
+            data = tensor.detach().to("cpu").contiguous().reshape(-1)
+            nbytes = data.numel() * data.element_size()
+            if nbytes:
+                raw[offset : offset + nbytes].copy_(data.view(torch.uint8))
+            names.append(name)
+            dtype_names.append(str(tensor.dtype).removeprefix("torch."))
+            shapes.append(list(tensor.shape))
+            offsets.append(offset)
+            offset += _aligned(nbytes)
+    finally:
+        del raw
+    return {"names": names, "dtype_names": dtype_names, "shapes": shapes, "offsets": offsets}

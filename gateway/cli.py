@@ -36,6 +36,7 @@ from .preflight import (
 from .routing import ROUTING_POLICIES, RoutingConfig
 from .serve import EXIT_START_FAILED, gateway_version, run_gateway
 from .sessions import GatewayLimits
+from .weight_buffers import DEFAULT_ARENA_BYTES as DEFAULT_WEIGHT_ARENA_BYTES
 from .weight_buffers import DEFAULT_ROOT as DEFAULT_WEIGHT_BUFFER_ROOT
 
 __all__ = ["main", "build_parser", "EXIT_USAGE", "EXIT_START_FAILED"]
@@ -276,6 +277,16 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         help="where the cpu weight-transfer backend's private buffer folder is made at"
         " InitWeightTransfer (a tmpfs: the trainer writes tensors there; clients never name"
         " a folder)",
+    )
+    g.add_argument(
+        "--weight-arena-mb",
+        type=bounded(int, 0, 1 << 30),
+        default=DEFAULT_WEIGHT_ARENA_BYTES >> 20,
+        metavar="MB",
+        help="the cpu weight-transfer backend's shared-memory arena: made at the first"
+        " InitWeightTransfer with every page allocated, and held (this much memory) until"
+        " ShutdownWeightTransfer; the trainer fills its halves in turn (buckets of at most"
+        " half). 0: no arena, buffer files only",
     )
     g.add_argument(
         "--routing",

@@ -128,7 +128,9 @@ async def run_gateway(
                     client_config=client_config,
                     routing=RoutingConfig.from_args(args),
                 )
-            engine.weight_buffers = WeightBufferFolder(args.weight_buffer_dir)
+            engine.weight_buffers = WeightBufferFolder(
+                args.weight_buffer_dir, args.weight_arena_mb << 20
+            )
         except LoraModuleRefused as exc:  # the engine stopped again: a bad command line
             raise UsageError("--lora-module", str(exc)) from None
         except Exception as exc:

@@ -12,14 +12,28 @@ file (aligned to the element size). The file must be a regular file directly in 
 folder, owned by the engine's user, with one link; it is opened without following links,
 relative to the folder opened at init, and checked on the open descriptor (no path is
 looked at twice). Nothing of it is kept once the chunk is answered: the trainer may delete,
-truncate or rewrite it then. Runs in vLLM's worker processes.
+truncate or rewrite it then.
+
+The arena (``init_info`` ``"arena": path, "arena_bytes": size``, also set by the gateway
+only): a sealed memfd of that size (``gateway.weight_buffers.WeightArena``), mapped once at
+init. A chunk whose ``buffer`` is the arena's path names byte ranges of it; its tensors
+load as views of the mapping (no copy, no page fault), and before the chunk is answered
+the tensors a layer still waits with (its other tensors are in a later chunk) are copied
+out, so the trainer may then rewrite any of it. The seals keep its size fixed, so no
+reader meets a truncated mapping. Either way, a layer whose tensors all arrived is built
+in its old tensors' memory (``layerwise.building_in_place``). Runs in vLLM's worker
+processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
+import mmap
 import os
 import stat
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +43,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from .layerwise import building_in_place
 from .weight_updates import REFUSED
 
 __all__ = ["CpuInitInfo", "CpuUpdateInfo", "CpuWeightTransferEngine", "check_private_folder"]
@@ -37,6 +52,8 @@ __all__ = ["CpuInitInfo", "CpuUpdateInfo", "CpuWeightTransferEngine", "check_pri
 @dataclass
 class CpuInitInfo(WeightTransferInitInfo):
     directory: str = ""
+    arena: str = ""
+    arena_bytes: int = 0
 
 
 @dataclass
@@ -67,6 +84,8 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.directory = ""
         self._folder_fd: int | None = None  # the folder, opened once at init
+        self.arena = ""  # the arena's path, as init named it
+        self._arena: _MappedArena | None = None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> CpuInitInfo:
         try:
@@ -84,8 +103,21 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
 
     def init_transfer_engine(self, init_info: CpuInitInfo) -> None:
         folder_fd = check_private_folder(init_info.directory)
+        try:
+            arena = (
+                _MappedArena.open(init_info.arena, init_info.arena_bytes, self._arena)
+                if init_info.arena
+                else None
+            )
+        except BaseException:
+            os.close(folder_fd)
+            raise
+        if arena is not self._arena and self._arena is not None:
+            self._arena.close()
+        self._arena = None  # kept (the same arena again) or replaced
         self._close_folder()
         self.directory, self._folder_fd = init_info.directory, folder_fd
+        self.arena, self._arena = init_info.arena, arena
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -95,7 +127,8 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        with building_in_place():
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which CPU-only torch
@@ -103,13 +136,20 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: CpuUpdateInfo) -> None:
-        tensors = self._read(update_info, self._check(update_info))
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
         )
 
-        with disable_mtp_completeness_check():
-            self.model.load_weights(iter(tensors))
+        checked = self._check(update_info)
+        arena = self._arena if self.arena and update_info.buffer == self.arena else None
+        tensors = arena.views(checked) if arena is not None else self._read(update_info, checked)
+        try:
+            with disable_mtp_completeness_check(), building_in_place():
+                self.model.load_weights(iter(tensors))
+        finally:
+            if arena is not None:
+                del tensors
+                copy_out_waiting(self.model, arena.address_range)
 
     def _read(
         self, info: CpuUpdateInfo, tensors: list[tuple[str, Any, list[int], int, int]]
@@ -188,9 +228,107 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         if self._folder_fd is not None:
             os.close(self._folder_fd)
             self._folder_fd = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena, self.arena = None, ""
 
     def shutdown(self) -> None:
         self._close_folder()
+
+
+class _MappedArena:
+    """The gateway's arena, mapped shared in this worker for as long as the trainer's
+    transfer lasts."""
+
+    def __init__(self, mapping: mmap.mmap, size: int, identity: tuple[int, int]):
+        import torch
+
+        self.size = size
+        self.identity = identity  # the memfd's (device, inode)
+        self._mapping = mapping
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        start = self.bytes.data_ptr()
+        self.address_range = (start, start + size)
+
+    @classmethod
+    def open(cls, path: str, size: int, current: _MappedArena | None = None) -> _MappedArena:
+        """Map the arena at ``path`` (the gateway's ``/proc/<pid>/fd/<n>``), checked on the
+        open descriptor: a regular file of this user of exactly ``size`` bytes, sealed
+        against shrinking and growing; ``current`` itself where it is that arena already
+        (a trainer's later init: no second mapping). ValueError saying what is wrong."""
+        from gateway.weight_buffers import ARENA_SEALS
+
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{REFUSED}: init_info.arena_bytes {size!r} is not a size")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ValueError(f"{REFUSED}: arena {path!r}: {exc.strerror}") from None
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+                raise ValueError(f"{REFUSED}: arena {path!r} is not this user's shared memory")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if seals & ARENA_SEALS != ARENA_SEALS or found.st_size != size:
+                raise ValueError(f"{REFUSED}: arena {path!r} is not a sealed block of {size} bytes")
+            identity = (found.st_dev, found.st_ino)
+            if current is not None and (current.identity, current.size) == (identity, size):
+                return current
+            mapping = mmap.mmap(
+                fd,
+                size,
+                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
+        finally:
+            os.close(fd)
+        return cls(mapping, size, identity)
+
+    def views(self, tensors: list[tuple[str, Any, list[int], int, int]]) -> list[tuple[str, Any]]:
+        """Each checked tensor as a view of the arena; ValueError for one past its end."""
+        views = []
+        for name, dtype, shape, offset, nbytes in tensors:
+            if offset + nbytes > self.size:
+                raise ValueError(
+                    f"{REFUSED}: tensor {name!r} ends at byte {offset + nbytes}, past the"
+                    f" arena's {self.size}"
+                )
+            views.append((name, self.bytes[offset : offset + nbytes].view(dtype).view(shape)))
+        return views
+
+    def close(self) -> None:
+        del self.bytes
+        with contextlib.suppress(BufferError):  # a view still lives: the mapping goes with it
+            self._mapping.close()
+
+
+def copy_out_waiting(model: Any, address_range: tuple[int, int]) -> int:
+    """Tensors that vLLM's layerwise reload holds for a layer still waiting for others
+    (sent in a later chunk), and that lie in ``address_range`` (the arena), replaced by
+    copies of their own: the trainer may rewrite the arena once the chunk is answered.
+    How many were copied."""
+    import torch
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    start, end = address_range
+    copied = 0
+    for layer in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        if info is None:
+            continue
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    address = value.untyped_storage().data_ptr()
+                    if start <= address < end:
+                        bound.arguments[key] = value.clone()
+                        copied += 1
+    return copied
 
 
 def check_private_folder(directory: str) -> int:

@@ -31,7 +31,13 @@ from .deaths import death_report
 from .failures import engine_death_named as _engine_death_named
 from .failures import engine_failure as _engine_failure
 from .failures import files_call as _files_call
-from .launch import EngineGroup, describe_exit, exiting, watch_output_socket
+from .launch import (
+    EngineGroup,
+    describe_exit,
+    exiting,
+    set_engine_environment,
+    watch_output_socket,
+)
 from .multimodal import MultimodalInputs
 from .outputs import ConvertedOutput, stopping_eos_token_ids, to_wire_logprobs
 from .prefix_routing import PrefixRouting
@@ -166,6 +172,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
 
         if vllm_config is None:
             vllm_config = engine_config(engine_args)
+        set_engine_environment()
         shared = dict(client_config or {})
         count, index = shared.pop("client_count", 1), shared.pop("client_index", 0)
         client = EngineCoreClient.make_async_mp_client(

@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "abandon_reload",
+    "building_in_place",
+    "holds_kernel_memory",
     "checkpoint_shapes",
     "dry_run_layers",
     "dry_run_load",
@@ -164,3 +166,84 @@ def abandon_reload(model: Any) -> None:
     if hasattr(model, "_original_do_torchao_reload"):
         model._do_torchao_reload = model._original_do_torchao_reload
     layerwise.LOADING_LAYERS.clear()
+
+
+@contextlib.contextmanager
+def building_in_place() -> Iterator[None]:
+    """Within: vLLM's layerwise reload builds a layer whose tensors all arrived in the
+    memory of the tensors it replaces, wherever that tensor has the same shape, strides,
+    dtype and device, instead of in fresh memory that it then copies over them (its copy
+    back becomes a no-op: torch skips a copy of memory onto itself). A layer is built only
+    once all its tensors arrived, so a layer still waiting keeps its old tensors whole; a
+    layer that fails while being built holds part of its new weights
+    (``holds_kernel_memory``). Fresh memory costs a page fault per page, and on a VM the
+    host's too: building 2.3 GiB of layers fresh took several times a memcpy. Tensors that
+    processing turns into another shape (packed, quantized) are built fresh, as before."""
+    import torch
+    from vllm.model_executor.model_loader.reload import layerwise, meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    original = layerwise.materialize_layer
+
+    def materialize(layer: Any, info: Any) -> None:
+        if layer.__class__.__name__ in meta.SKIP_MODULES:
+            return
+        kernel: dict[str, Any] = {}
+        if info.kernel_tensors is not None:
+            kernel = {**info.kernel_tensors[1], **info.kernel_tensors[0]}
+        device = torch.device(info.restore_device)
+        with info.restore_device:
+            for name, tensor in get_layer_tensors(layer).items():
+                if name in meta.SKIP_TENSORS or not tensor.is_meta:
+                    continue
+                old = kernel.get(name)
+                fits = (
+                    isinstance(old, torch.Tensor)
+                    and not old.is_meta
+                    and old.device.type == device.type
+                    and old.dtype == tensor.dtype
+                    and old.shape == tensor.shape
+                    and old.stride() == tensor.stride()
+                )
+                setattr(
+                    layer,
+                    name,
+                    _in_memory_of(old, tensor) if fits else meta.materialize_meta_tensor(tensor),
+                )
+
+    layerwise.materialize_layer = materialize
+    try:
+        yield
+    finally:
+        layerwise.materialize_layer = original
+
+
+def _in_memory_of(old: Any, meta_tensor: Any) -> Any:
+    """A tensor like ``meta_tensor`` (its class and attributes: the weight loader) on the
+    memory of ``old``."""
+    import torch
+
+    tensor = torch.empty(0, dtype=old.dtype, device=old.device).set_(
+        old.untyped_storage(), old.storage_offset(), old.size(), old.stride()
+    )
+    tensor.requires_grad_(False)
+    tensor.__class__ = meta_tensor.__class__
+    tensor.__dict__ = meta_tensor.__dict__.copy()
+    return tensor
+
+
+def holds_kernel_memory(layer: Any, info: Any) -> bool:
+    """Is ``layer`` being built in the memory of its old tensors (``building_in_place``)?
+    Then a failure part-way has already overwritten some of them."""
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    if info.kernel_tensors is None:
+        return False
+    kernel = [*info.kernel_tensors[0].values(), *info.kernel_tensors[1].values()]
+    addresses = {t.untyped_storage().data_ptr() for t in kernel if not t.is_meta}
+    return any(
+        not tensor.is_meta
+        and all(tensor is not k for k in kernel)
+        and tensor.untyped_storage().data_ptr() in addresses
+        for tensor in get_layer_tensors(layer).values()
+    )

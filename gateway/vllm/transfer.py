@@ -10,6 +10,7 @@ or a ReloadWeights.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -38,8 +39,9 @@ class WeightTransferControls:
 
     async def init_weight_transfer(self, init_info: dict) -> dict[str, Any] | None:
         """vLLM's init on every worker. The ``cpu`` backend's folder is the gateway's own
-        (made here, private): a client may not name one. Result: ``{"directory": path}``
-        for ``cpu``, else None."""
+        (made here, private), and so is its shared-memory arena: a client may name
+        neither. Result for ``cpu``: ``{"directory": path}``, with ``"arena": path,
+        "arena_bytes": size`` unless the operator turned the arena off; else None."""
         self._require_transfer()
         if not isinstance(init_info, dict):
             raise RequestRejected("init_info must be a map")
@@ -53,14 +55,16 @@ class WeightTransferControls:
             )
         if self.weight_buffers is None:
             self.weight_buffers = WeightBufferFolder()
+        buffers = self.weight_buffers
         try:
-            directory = self.weight_buffers.make()
+            info: dict[str, Any] = {"directory": buffers.make()}
+            if buffers.arena is not None:  # allocating its pages takes a while: off the loop
+                info["arena"] = await asyncio.to_thread(buffers.arena.make)
+                info["arena_bytes"] = buffers.arena.size
         except (OSError, ValueError) as exc:
-            raise RequestRejected(f"no folder for weight buffers: {exc}") from None
-        await self._checked_weight_call(
-            "init_weight_transfer_engine", {"init_info": {"directory": directory}}
-        )
-        return {"directory": directory}
+            raise RequestRejected(f"no memory for weight buffers: {exc}") from None
+        await self._checked_weight_call("init_weight_transfer_engine", {"init_info": info})
+        return info
 
     async def shutdown_weight_transfer(self) -> None:
         self._require_transfer()

@@ -34,7 +34,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layerwise import abandon_reload, checkpoint_shapes, dry_run_layers, layer_processing
+from .layerwise import (
+    abandon_reload,
+    checkpoint_shapes,
+    dry_run_layers,
+    holds_kernel_memory,
+    layer_processing,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -371,7 +377,12 @@ def _counting(progress: _Progress) -> contextlib.AbstractContextManager[None]:
     updated = progress.updated
 
     def counted(process: Any, layer: Any, info: Any) -> None:
-        process(layer, info)
+        try:
+            process(layer, info)
+        except BaseException:
+            if holds_kernel_memory(layer, info):  # part of it is new already
+                updated.add(id(layer))
+            raise
         updated.add(id(layer))
 
     return layer_processing(counted)

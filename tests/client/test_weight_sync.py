@@ -55,3 +55,46 @@ def test_a_close_while_the_next_bucket_is_being_made_waits_and_cleans_up(tmp_pat
 
     asyncio.run(cancelled())
     assert os.listdir(tmp_path) == []
+
+
+def test_buckets_fill_the_arenas_halves_in_turn_and_a_larger_tensor_goes_to_a_file(tmp_path):
+    from gateway.weight_buffers import WeightArena
+
+    arena = WeightArena(1 << 12)  # halves of 2048 bytes
+    try:
+        path = arena.make()
+        tensors = [
+            ("a", torch.full((256,), 1.0)),  # 1 KiB
+            ("b", torch.full((256,), 2.0)),
+            ("big", torch.full((1024,), 3.0)),  # 4 KiB: more than half the arena
+            ("c", torch.full((256,), 4.0)),
+        ]
+        with shared_memory_buckets(
+            tensors, directory=str(tmp_path), bucket_bytes=1 << 10, arena=(path, 1 << 12)
+        ) as buckets:
+            infos = []
+            for info in buckets:
+                infos.append(info)
+                data = torch.frombuffer(bytearray(_read(info["buffer"])), dtype=torch.float32)
+                start = info["offsets"][0] // 4
+                name = info["names"][0]
+                want = dict(tensors)[name]
+                assert data[start : start + want.numel()].tolist() == want.tolist(), name
+        assert [i["names"] for i in infos] == [["a"], ["b"], ["big"], ["c"]]
+        assert [i["buffer"] == path for i in infos] == [True, True, False, True]
+        assert [i["offsets"][0] for i in infos if i["buffer"] == path] == [0, 2048, 0]
+        assert os.listdir(tmp_path) == []  # the file bucket is gone
+    finally:
+        arena.close()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read(8192)
+
+
+def test_a_trainer_that_cannot_open_the_arena_writes_files(tmp_path):
+    with shared_memory_buckets(
+        _tensors(2), directory=str(tmp_path), bucket_bytes=1, arena=("/no/such/arena", 4096)
+    ) as buckets:
+        assert all(info["buffer"].startswith(str(tmp_path)) for info in buckets)

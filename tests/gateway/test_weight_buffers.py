@@ -51,3 +51,37 @@ def test_a_root_that_is_not_a_folder_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="not a folder"):
         WeightBufferFolder(str(tmp_path / "none")).make()
+
+
+def test_the_arena_is_made_once_its_pages_allocated_its_size_sealed_and_given_back(tmp_path):
+    import fcntl
+    import mmap
+
+    import pytest
+
+    from gateway.weight_buffers import ARENA_SEALS
+
+    folder = WeightBufferFolder(str(tmp_path), arena_bytes=1 << 20)
+    folder.make()
+    path = folder.arena.make()
+    assert path == f"/proc/{os.getpid()}/fd/{folder.arena._fd}"
+    assert folder.arena.make() == path  # a later init: the same arena
+    fd = os.open(path, os.O_RDWR)  # as a trainer or a worker opens it
+    try:
+        assert os.fstat(fd).st_size == 1 << 20
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & ARENA_SEALS == ARENA_SEALS
+        for size in (0, 1 << 21):  # a trainer cannot shrink it under a worker, nor grow it
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        with mmap.mmap(fd, 1 << 20) as mapping:
+            mapping[:4] = b"abcd"
+        assert os.pread(fd, 4, 0) == b"abcd"
+        assert os.fstat(fd).st_blocks * 512 >= 1 << 20  # every page allocated up front
+    finally:
+        os.close(fd)
+    folder.remove()
+    assert folder.arena.path is None
+
+
+def test_no_arena_where_the_operator_turned_it_off(tmp_path):
+    assert WeightBufferFolder(str(tmp_path), arena_bytes=0).arena is None

@@ -147,3 +147,130 @@ def test_replicas_that_hold_other_weights_are_told_apart_shard_by_shard():
     assert weights_digest(model) != weights_digest(replica)
     assert not replicas_differ([["a", "b"], ["a", "b"]])  # two shards, two ranks
     assert replicas_differ([["a", "b"], ["a", "a"]])
+
+
+def test_the_arena_is_mapped_only_when_sealed_and_of_its_size_and_read_within_it():
+    from gateway.vllm.cpu_transfer import _MappedArena
+    from gateway.weight_buffers import WeightArena
+
+    arena = WeightArena(1 << 16)
+    try:
+        path = arena.make()
+        with open(path, "r+b") as trainer:  # the trainer writes through its own descriptor
+            trainer.write(torch.arange(8, dtype=torch.float32).numpy().tobytes())
+        mapped = _MappedArena.open(path, 1 << 16)
+        assert _MappedArena.open(path, 1 << 16, mapped) is mapped  # a later init: kept
+        (_, first), (_, second) = mapped.views(
+            [("a", torch.float32, [4], 0, 16), ("b", torch.float32, [4], 16, 16)]
+        )
+        assert first.tolist() == [0, 1, 2, 3] and second.tolist() == [4, 5, 6, 7]
+        with pytest.raises(ValueError, match="past the arena's 65536"):
+            mapped.views([("c", torch.float32, [4], (1 << 16) - 8, 16)])
+        with pytest.raises(ValueError, match="sealed block of 4096 bytes"):
+            _MappedArena.open(path, 4096)
+        del first, second
+        mapped.close()
+    finally:
+        arena.close()
+
+    unsealed = os.memfd_create("unsealed")
+    os.ftruncate(unsealed, 1 << 16)
+    try:
+        with pytest.raises(ValueError, match="not a sealed block"):
+            _MappedArena.open(f"/proc/{os.getpid()}/fd/{unsealed}", 1 << 16)
+    finally:
+        os.close(unsealed)
+    with pytest.raises(ValueError, match="arena '/no/such'"):
+        _MappedArena.open("/no/such", 1 << 16)
+
+
+def test_tensors_a_waiting_layer_holds_in_the_arena_are_copied_out():
+    """Layerwise reload keeps the tensors of a layer whose other tensors are still to come;
+    those that are views of the arena become copies (the trainer rewrites it next)."""
+    from inspect import signature
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from gateway.vllm.cpu_transfer import copy_out_waiting
+
+    arena = torch.arange(16, dtype=torch.float32)
+    elsewhere = torch.ones(4)
+    layer = torch.nn.Linear(4, 4)
+    bound = signature(lambda param, loaded_weight: None).bind(layer.weight, arena[4:8])
+    other = signature(lambda param, loaded_weight: None).bind(layer.bias, elsewhere)
+    info = layerwise.get_layerwise_info(layer)
+    info.loaded_weights = [("weight", bound), ("bias", other)]
+    try:
+        start = arena.data_ptr()
+        assert copy_out_waiting(layer, (start, start + arena.nbytes)) == 1
+        copied = bound.arguments["loaded_weight"]
+        arena.zero_()
+        assert copied.tolist() == [4, 5, 6, 7]  # a copy of its own
+        assert other.arguments["loaded_weight"] is elsewhere  # not in the arena: as it was
+    finally:
+        info.loaded_weights = []
+
+
+def _reloading(layer):
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    layerwise.record_metadata_for_reloading(layer)
+    layerwise.initialize_layerwise_reload(layer)
+    return layerwise.get_layerwise_info(layer)
+
+
+class _TwoTensors(torch.nn.Module):
+    """A layer of two weights (vLLM's layerwise reload builds it once both arrived)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+        self.second = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
+
+def test_a_finished_layer_is_built_in_the_memory_of_its_old_tensors():
+    from gateway.vllm.layerwise import building_in_place
+
+    layer = _TwoTensors()
+    kernel_first, kernel_second = layer.first, layer.second
+    seen = []
+
+    def second_loader(param, loaded_weight):
+        if not param.is_meta:  # vLLM counts elements on meta tensors first
+            seen.append(param.untyped_storage().data_ptr())
+        param.data.copy_(loaded_weight)
+
+    layer.second.weight_loader = second_loader
+    _reloading(layer)
+    new_first, new_second = torch.full((2, 4), 3.0), torch.full((2,), 5.0)
+    with building_in_place():
+        layer.first.weight_loader(layer.first, new_first)
+        assert kernel_first.tolist() != new_first.tolist()  # waits for the second
+        layer.second.weight_loader(layer.second, new_second)
+    assert seen == [kernel_second.untyped_storage().data_ptr()]  # built in its memory
+    assert layer.first is kernel_first and layer.second is kernel_second
+    assert layer.first.tolist() == new_first.tolist()
+    assert layer.second.tolist() == new_second.tolist()
+
+
+def test_a_layer_failing_while_built_in_place_counts_as_holding_new_weights():
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from gateway.vllm.layerwise import building_in_place, holds_kernel_memory
+
+    layer = _TwoTensors()
+
+    def second_loader(param, loaded_weight):
+        if not param.is_meta:
+            raise RuntimeError("a loader failing part-way")
+        param.data.copy_(loaded_weight)
+
+    layer.second.weight_loader = second_loader
+    info = _reloading(layer)
+    layer.first.weight_loader(layer.first, torch.full((2, 4), 3.0))
+    with building_in_place(), pytest.raises(RuntimeError, match="part-way"):
+        layer.second.weight_loader(layer.second, torch.full((2,), 5.0))
+    assert holds_kernel_memory(layer, info)  # the first is new already: count the layer
+    layerwise._place_kernel_tensors(layer, info)
+    info.reset()
+    assert not holds_kernel_memory(layer, info)

@@ -174,6 +174,31 @@ async def test_vllms_own_trainer_engine_drives_the_gateway(
     assert [s.version for s in after.weight_versions] == ["hf-b"]
 
 
+@pytest.mark.parametrize("transport", ["arena", "files"])
+async def test_small_buckets_through_the_arena_or_files_give_model_b_as_offline(
+    client, models, offline_b, transport, monkeypatch
+):
+    """64 KiB buckets: most layers' tensors span several chunks, and the arena's halves are
+    rewritten while those layers wait (their tensors are copied out first). A trainer that
+    cannot open the arena (another PID namespace) sends files instead."""
+    import client.weight_sync as weight_sync
+
+    written = []
+    if transport == "files":
+        monkeypatch.setattr(weight_sync, "_mapped_arena", lambda path, size: None)
+    else:
+        write = weight_sync._ArenaWriter.write
+        monkeypatch.setattr(
+            weight_sync._ArenaWriter, "write", lambda self, b: written.append(b) or write(self, b)
+        )
+    done = await send_model(client, models[1], version=transport, bucket_bytes=1 << 16)
+    assert done.result["layers_updated"] == done.result["layers"] == 15
+    assert (len(written) > 2) == (transport == "arena")  # both halves, each more than once
+    after = await client.complete(PROMPT, greedy(24))
+    assert after.token_ids == offline_b[0]
+    assert [s.version for s in after.weight_versions] == [transport]
+
+
 async def test_wrong_names_dtypes_and_shapes_are_refused_before_anything_moves(client, models):
     import torch
 
