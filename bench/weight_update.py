@@ -90,6 +90,7 @@ async def measure(
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     result: dict = {"bytes": nbytes, "tensors": len(tensors), "memory": [], "disk": []}
     result["memcpy"] = memcpy_seconds(nbytes)
+    result["memcpy_one_thread"] = memcpy_seconds(nbytes, threads=1)
     result["setup"] = {"arena_mb": arena_mb, "lora": lora, "data_parallel_size": data_parallel_size}
     server = GatewayServer(
         path,
@@ -175,11 +176,19 @@ async def _load_adapter(gw, path: str) -> None:  # noqa: ANN001
         pass
 
 
-def memcpy_seconds(nbytes: int, chunk: int = 256 << 20) -> float:
+def memcpy_seconds(nbytes: int, chunk: int = 256 << 20, threads: int | None = None) -> float:
     """One plain copy of ``nbytes`` between buffers already in memory (torch's copy_,
-    through a ``chunk`` at a time), best of 3: what moving the weights once costs here."""
+    through a ``chunk`` at a time, on ``threads`` threads: torch's default, every core),
+    best of 3: what moving the weights once costs here."""
     import torch
 
+    if threads is not None:
+        default = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return memcpy_seconds(nbytes, chunk)
+        finally:
+            torch.set_num_threads(default)
     chunk = min(chunk, max(nbytes, 1))
     source = torch.ones(chunk, dtype=torch.uint8)
     target = torch.zeros(chunk, dtype=torch.uint8)
@@ -286,7 +295,8 @@ def markdown(name: str, result: dict, args: argparse.Namespace) -> str:
             if http
             else []
         ),
-        f"| one plain memcpy of the same bytes | {memcpy_ms:.0f} | best of 3 |",
+        f"| one plain memcpy of the same bytes | {memcpy_ms:.0f} | best of 3, torch's copy_ on"
+        f" every core ({result['memcpy_one_thread'] * 1000:.0f} on one) |",
         "",
         "Phases of the in-memory update (the trainer's copy-in runs on a thread, beside the"
         " workers' load of the bucket before):",

@@ -28,6 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from .loop_watched_socket import LoopWatchedSocket
 from .prefix_index import EventBatch, PrefixIndex, decode_batch
 
 __all__ = ["KvEventFeed"]
@@ -35,6 +36,7 @@ __all__ = ["KvEventFeed"]
 logger = logging.getLogger(__name__)
 
 _END_SEQ = -1
+_YIELD_EVERY = 32  # batches handled back to back before other tasks get the loop
 
 
 class KvEventFeed:
@@ -95,12 +97,21 @@ class KvEventFeed:
                 self.index.reset(rank, restarted=True)
 
     async def _run(self) -> None:
+        # Every engine step of every rank publishes a batch: at the ceiling, thousands a
+        # second. Receive them on the loop's watch of the socket's descriptor, a waiting
+        # backlog without a loop pass per frame (pyzmq's asyncio receive costs ~100 µs a
+        # frame: bench/probes/recv_cost.py), letting the loop run every _YIELD_EVERY.
+        sub = LoopWatchedSocket.adopt(self.sub, yield_when_waiting=False)
+        handled = 0
         while True:
-            frames = await self.sub.recv_multipart()
+            frames = await sub.recv_multipart()
             try:
                 await self._on_frames(frames)
             except Exception:  # never let the feed die: the index goes unsynced instead
                 logger.exception("a KV event batch could not be applied")
+            handled += 1
+            if handled % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
