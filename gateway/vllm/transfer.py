@@ -63,7 +63,16 @@ class WeightTransferControls:
                 info["arena_bytes"] = buffers.arena.size
         except (OSError, ValueError) as exc:
             raise RequestRejected(f"no memory for weight buffers: {exc}") from None
-        await self._checked_weight_call("init_weight_transfer_engine", {"init_info": info})
+        try:
+            await self._checked_weight_call("init_weight_transfer_engine", {"init_info": info})
+        except RequestRejected as exc:
+            if "arena" not in info or "arena" not in str(exc):
+                raise
+            # Engines that cannot reach the gateway's /proc (another PID namespace): the
+            # trainer is told of no arena, and sends buffer files as before.
+            logger.warning("the engines cannot map the weight arena (%s): buffer files only", exc)
+            info = {"directory": info["directory"]}
+            await self._checked_weight_call("init_weight_transfer_engine", {"init_info": info})
         return info
 
     async def shutdown_weight_transfer(self) -> None:

@@ -199,6 +199,23 @@ async def test_small_buckets_through_the_arena_or_files_give_model_b_as_offline(
     assert [s.version for s in after.weight_versions] == [transport]
 
 
+async def test_engines_that_cannot_map_the_arena_get_buffer_files_instead(
+    client, small_gateway, models, offline_b, monkeypatch
+):
+    """Engines in another PID namespace than the gateway cannot open its /proc path: the
+    init answers without an arena (the trainer then writes files), and the update works."""
+    await client.init_weight_transfer_engine({})  # the gateway's buffers, made
+    arena = small_gateway.engine.weight_buffers.arena
+    monkeypatch.setattr(arena, "make", lambda: "/proc/1/fd/999999")
+    reply = await client.init_weight_transfer_engine({})
+    assert "arena" not in reply.result and reply.result["directory"]
+    done = await send_model(client, models[1], version="files")  # through files
+    assert done.result["layers_updated"] == done.result["layers"]
+    assert (await client.complete(PROMPT, greedy(24))).token_ids == offline_b[0]
+    monkeypatch.undo()
+    assert (await client.init_weight_transfer_engine({})).result["arena"] == arena.path
+
+
 async def test_wrong_names_dtypes_and_shapes_are_refused_before_anything_moves(client, models):
     import torch
 
