@@ -174,9 +174,12 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def write_random_lora(model: Path, out: Path, rank: int = 8, seed: int = 0) -> Path:
+def write_random_lora(
+    model: Path, out: Path, rank: int = 8, seed: int = 0, b_scale: float = 1.0
+) -> Path:
     """A PEFT adapter for the Llama checkpoint in ``model`` (its config.json): rank-``rank``
-    updates of q_proj and v_proj in every layer, random, as vLLM reads them."""
+    updates of q_proj and v_proj in every layer, normal random (B times ``b_scale``), as
+    vLLM reads them."""
     import torch
     from safetensors.torch import save_file
 
@@ -193,7 +196,9 @@ def write_random_lora(model: Path, out: Path, rank: int = 8, seed: int = 0) -> P
         for module, size in outputs.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(size, rank, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = (
+                torch.randn(size, rank, generator=generator) * b_scale
+            )
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
     adapter = {

@@ -167,7 +167,7 @@ async def _load_adapter(gw, path: str) -> None:  # noqa: ANN001
     from codec import RequestOptions, SamplingParams
 
     folder = Path(tempfile.mkdtemp(prefix="eg-bench-lora-"))
-    write_random_lora(Path(path), folder)
+    write_random_lora(Path(path), folder, b_scale=0.01)
     await gw.load_lora("bench-adapter", str(folder))
     stream = gw.generate(
         [1, 2, 3], SamplingParams(max_tokens=2), options=RequestOptions(lora_name="bench-adapter")
