@@ -233,8 +233,6 @@ class _Buckets:
             self._writer.shutdown(wait=True)  # a bucket being written ends first
             for path in list(self._written):
                 self._remove(path)
-            if self._arena is not None:
-                self._arena.close()
 
 
 class _ArenaWriter:
@@ -260,9 +258,6 @@ class _ArenaWriter:
         info["buffer"] = self.path
         return info
 
-    def close(self) -> None:
-        """Nothing to give back: the mapping stays for the next update (``_mapped_arena``)."""
-
 
 _arena_mapping: tuple[tuple[int, int, int], mmap.mmap] | None = None
 _arena_lock = threading.Lock()
@@ -270,9 +265,11 @@ _arena_lock = threading.Lock()
 
 def _mapped_arena(path: str, size: int) -> mmap.mmap | None:
     """This process's mapping of the arena at ``path``, kept from one update to the next
-    (its page tables filled once: each update writes the same pages), replaced when the
-    gateway's arena is another (a gateway restarted). None where this process cannot
-    open it (another user or PID namespace)."""
+    (its page tables filled once: each update writes the same pages). Another arena (a
+    restarted gateway, or a second gateway this trainer also updates) takes the cache's
+    place; the mapping it replaces is not closed here, as an update to that gateway may
+    still be writing through it: it is unmapped once nothing holds it. None where this
+    process cannot open the arena (another user or PID namespace)."""
     global _arena_mapping
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -287,9 +284,6 @@ def _mapped_arena(path: str, size: int) -> mmap.mmap | None:
             if _arena_mapping is not None and _arena_mapping[0] == key:
                 return _arena_mapping[1]
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            if _arena_mapping is not None:
-                with contextlib.suppress(BufferError):  # still written to: it goes with it
-                    _arena_mapping[1].close()
             _arena_mapping = (key, mapping)
             return mapping
     except OSError:

@@ -98,3 +98,29 @@ def test_a_trainer_that_cannot_open_the_arena_writes_files(tmp_path):
         _tensors(2), directory=str(tmp_path), bucket_bytes=1, arena=("/no/such/arena", 4096)
     ) as buckets:
         assert all(info["buffer"].startswith(str(tmp_path)) for info in buckets)
+
+
+def test_a_trainer_updating_two_gateways_at_once_keeps_writing_to_each(tmp_path):
+    """The kept mapping is one arena's; opening a second gateway's arena (a trainer that
+    updates two rollout engines at once) must not close the first under its update."""
+    from gateway.weight_buffers import WeightArena
+
+    first, second = WeightArena(1 << 12), WeightArena(1 << 12)
+    try:
+        paths = first.make(), second.make()
+        with shared_memory_buckets(
+            _tensors(3), directory=str(tmp_path), bucket_bytes=1, arena=(paths[0], 1 << 12)
+        ) as to_first:
+            assert next(to_first)["buffer"] == paths[0]
+            with shared_memory_buckets(
+                _tensors(1), directory=str(tmp_path), bucket_bytes=1, arena=(paths[1], 1 << 12)
+            ) as to_second:
+                assert next(to_second)["buffer"] == paths[1]
+            infos = list(to_first)
+        assert [i["buffer"] for i in infos] == [paths[0], paths[0]]
+        data = torch.frombuffer(bytearray(_read(paths[0])), dtype=torch.float32)
+        start = infos[-1]["offsets"][0] // 4
+        assert data[start : start + 4].tolist() == [2.0] * 4  # t2 landed in the first arena
+    finally:
+        first.close()
+        second.close()
