@@ -84,7 +84,6 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.directory = ""
         self._folder_fd: int | None = None  # the folder, opened once at init
-        self.arena = ""  # the arena's path, as init named it
         self._arena: _MappedArena | None = None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> CpuInitInfo:
@@ -112,12 +111,10 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         except BaseException:
             os.close(folder_fd)
             raise
-        if arena is not self._arena and self._arena is not None:
-            self._arena.close()
-        self._arena = None  # kept (the same arena again) or replaced
+        if self._arena is not arena:  # not the same arena kept
+            self._close_arena()
         self._close_folder()
-        self.directory, self._folder_fd = init_info.directory, folder_fd
-        self.arena, self._arena = init_info.arena, arena
+        self.directory, self._folder_fd, self._arena = init_info.directory, folder_fd, arena
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -141,7 +138,9 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         )
 
         checked = self._check(update_info)
-        arena = self._arena if self.arena and update_info.buffer == self.arena else None
+        arena = self._arena
+        if arena is not None and update_info.buffer != arena.path:
+            arena = None  # a buffer file
         tensors = arena.views(checked) if arena is not None else self._read(update_info, checked)
         try:
             with disable_mtp_completeness_check(), building_in_place():
@@ -228,21 +227,25 @@ class CpuWeightTransferEngine(WeightTransferEngine[CpuInitInfo, CpuUpdateInfo]):
         if self._folder_fd is not None:
             os.close(self._folder_fd)
             self._folder_fd = None
+
+    def _close_arena(self) -> None:
         if self._arena is not None:
             self._arena.close()
-            self._arena, self.arena = None, ""
+            self._arena = None
 
     def shutdown(self) -> None:
         self._close_folder()
+        self._close_arena()
 
 
 class _MappedArena:
     """The gateway's arena, mapped shared in this worker for as long as the trainer's
     transfer lasts."""
 
-    def __init__(self, mapping: mmap.mmap, size: int, identity: tuple[int, int]):
+    def __init__(self, path: str, mapping: mmap.mmap, size: int, identity: tuple[int, int]):
         import torch
 
+        self.path = path  # as init named it: a chunk's buffer names the arena by it
         self.size = size
         self.identity = identity  # the memfd's (device, inode)
         self._mapping = mapping
@@ -277,7 +280,11 @@ class _MappedArena:
             if seals & ARENA_SEALS != ARENA_SEALS or found.st_size != size:
                 raise ValueError(f"{REFUSED}: arena {path!r} is not a sealed block of {size} bytes")
             identity = (found.st_dev, found.st_ino)
-            if current is not None and (current.identity, current.size) == (identity, size):
+            if current is not None and (current.identity, current.size, current.path) == (
+                identity,
+                size,
+                path,
+            ):
                 return current
             mapping = mmap.mmap(
                 fd,
@@ -287,7 +294,7 @@ class _MappedArena:
             )
         finally:
             os.close(fd)
-        return cls(mapping, size, identity)
+        return cls(path, mapping, size, identity)
 
     def views(self, tensors: list[tuple[str, Any, list[int], int, int]]) -> list[tuple[str, Any]]:
         """Each checked tensor as a view of the arena; ValueError for one past its end."""
