@@ -27,7 +27,7 @@ if [[ ! -f "$stamp" ]]; then
     if [[ "$EXTRA" == cpu ]]; then
         "${PIP[@]}" install "torch==2.13.0"
     fi
-    "${PIP[@]}" install -e ".[$EXTRA,dev,bench]"
+    "${PIP[@]}" install -e ".[$EXTRA,dev,bench,text]"
     if [[ "$EXTRA" == cpu ]]; then
         "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     fi

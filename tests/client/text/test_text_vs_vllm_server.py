@@ -1,0 +1,204 @@
+"""Text and stop strings through the gateway and the client equal vLLM's OpenAI-compatible
+server, for the same model, tokenizer and prompt ids: a byte-level BPE (fast) and a
+SentencePiece (slow, Python) tokenizer; greedy and seeded, n = 1 and 2, streaming and not,
+stop strings cut from the text (inside one token, across tokens, multi-byte characters),
+``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``. Every case checks
+text, token ids, finish reason and stop reason; over 50 cases in all."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from client import AsyncClient, Client, GatewayPool
+from client.text import AsyncTextClient, TextClient, TextParams, load_tokenizer
+from codec import FinishReason, SamplingParams
+from gateway.auth import ControlPolicy
+from tests.client.text.openai_server import Choice, OpenAIServer
+from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
+from tests.text_models import ensure_text_model
+
+pytestmark = pytest.mark.engine
+CASES_PER_MODEL = 30
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+@dataclass
+class Served:
+    kind: str
+    server: OpenAIServer
+    gateway: Any
+    tokenizer: Any
+
+
+@pytest.fixture(scope="module", params=["bpe", "sp-slow"])
+async def served(request: pytest.FixtureRequest):  # noqa: ANN201
+    """vLLM's server and a gateway on one model, started side by side."""
+    model = str(ensure_text_model(request.param))
+    server = OpenAIServer(model, TEST_MAX_MODEL_LEN)
+    try:
+        open_control = ControlPolicy(open=True)  # GetStats
+        async with engine_gateway(cpu_engine_args(model), control=open_control) as gateway:
+            await asyncio.to_thread(server.wait_ready)
+            yield Served(request.param, server, gateway, load_tokenizer(model))
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+def _case(seed: int, tokenizer: Any, free_text: str) -> dict[str, Any]:
+    """Request fields for case ``seed``: stops cut from ``free_text`` (the case's text with
+    no stop strings), so that most of them match."""
+    rng = random.Random(seed)
+    case: dict[str, Any] = {
+        "max_tokens": 40,
+        "include_stop_str_in_output": rng.random() < 0.3,
+        "skip_special_tokens": rng.random() < 0.7,
+        "min_tokens": rng.choice([0, 0, 0, 3]),
+        "stream": rng.random() < 0.5,
+    }
+    stops = []
+    for _ in range(rng.randint(1, 3)):
+        if not free_text:
+            break
+        start = rng.randrange(len(free_text))
+        stops.append(free_text[start : start + rng.randint(1, 5)])
+    multibyte = [ch for ch in free_text if len(ch.encode()) > 1 and ch != "\ufffd"]
+    if multibyte and rng.random() < 0.5:
+        stops.append(rng.choice(multibyte))  # one character of several bytes
+    case["stop"] = stops or ["\n"]
+    return case
+
+
+def _prompt(seed: int, tokenizer: Any) -> list[int]:
+    rng = random.Random(seed)
+    if seed % 4 == 0:
+        messages = [{"role": "user", "content": f"question {seed}: café 日本語 😀?"}]
+        return tokenizer.hf.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    return [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(4, 24))]
+
+
+def _sampling(seed: int, n: int, case: dict[str, Any]) -> dict[str, Any]:
+    if seed % 3 == 0:
+        return {"temperature": 0.9, "seed": 1000 + seed, "n": n}
+    return {"temperature": 0.0, "n": n}
+
+
+async def _gateway_choices(
+    text_client: AsyncTextClient, prompt: list[int], sampling: dict, case: dict
+) -> list[Choice]:
+    params = TextParams(
+        stop=case["stop"],
+        include_stop_str_in_output=case["include_stop_str_in_output"],
+        skip_special_tokens=case["skip_special_tokens"],
+    )
+    wire = SamplingParams(max_tokens=case["max_tokens"], min_tokens=case["min_tokens"], **sampling)
+    choices = [Choice() for _ in range(sampling["n"])]
+    async for out in text_client.generate(prompt, wire, params, stream=case["stream"]):
+        choice = choices[out.index]
+        choice.text += out.text
+        choice.token_ids += out.token_ids
+        if out.done:
+            choice.finish_reason = _FINISH[out.finish_reason]
+            choice.stop_reason = out.stop_reason
+    return choices
+
+
+async def test_text_and_stops_equal_vllm_server(served: Served) -> None:
+    tokenizer = served.tokenizer
+    counts = {"stop string": 0, "across tokens": 0, "streamed": 0, "n=2": 0}
+    async with AsyncClient(served.gateway.addresses[0]) as client:
+        text_client = AsyncTextClient(client, tokenizer)
+        for seed in range(CASES_PER_MODEL):
+            prompt = _prompt(seed, tokenizer)
+            n = 2 if seed % 6 == 3 else 1  # seeded (greedy refuses n > 1)
+            sampling = _sampling(seed, n, {})
+            free = await text_client.complete_samples(
+                prompt, SamplingParams(max_tokens=40, **sampling)
+            )
+            case = _case(seed, tokenizer, free[0].text)
+            expected = await asyncio.to_thread(served.server.complete, prompt, **sampling, **case)
+            got = await _gateway_choices(text_client, prompt, sampling, case)
+            assert got == expected, (served.kind, seed, case)
+            for choice in got:
+                if isinstance(choice.stop_reason, str):
+                    counts["stop string"] += 1
+                    pieces = [tokenizer.decode([i]) for i in choice.token_ids]
+                    if not any(choice.stop_reason in piece for piece in pieces):
+                        counts["across tokens"] += 1
+            counts["streamed"] += case["stream"]
+            counts["n=2"] += n == 2
+    print(served.kind, counts)
+    # The cases exercise what they claim to (a plant of a broken stop rule fails above).
+    assert counts["stop string"] >= CASES_PER_MODEL // 2, counts
+    assert counts["across tokens"] >= 3, counts
+    assert counts["streamed"] >= 5 and counts["n=2"] >= 3, counts
+
+
+async def test_pool_and_blocking_client_give_the_same_text(served: Served) -> None:
+    """GatewayPool and the blocking Client through the same text layer, against the server."""
+    tokenizer = served.tokenizer
+    prompt = _prompt(1, tokenizer)
+    async with GatewayPool(served.gateway.addresses) as pool:
+        free = await AsyncTextClient(pool, tokenizer).complete(
+            prompt, SamplingParams(max_tokens=40, temperature=0.0)
+        )
+    case = _case(1, tokenizer, free.text)
+    sampling = {"temperature": 0.0, "n": 1}
+    expected = await asyncio.to_thread(served.server.complete, prompt, **sampling, **case)
+    async with GatewayPool(served.gateway.addresses) as pool:
+        via_pool = await _gateway_choices(AsyncTextClient(pool, tokenizer), prompt, sampling, case)
+    assert via_pool == expected
+
+    def blocking() -> list[Choice]:
+        with Client(served.gateway.addresses[0]) as client:
+            text_client = TextClient(client, tokenizer)
+            params = TextParams(
+                stop=case["stop"],
+                include_stop_str_in_output=case["include_stop_str_in_output"],
+                skip_special_tokens=case["skip_special_tokens"],
+            )
+            wire = SamplingParams(
+                max_tokens=case["max_tokens"], min_tokens=case["min_tokens"], temperature=0.0
+            )
+            choice = Choice()
+            for out in text_client.generate(prompt, wire, params):
+                choice.text += out.text
+                choice.token_ids += out.token_ids
+                if out.done:
+                    choice.finish_reason = _FINISH[out.finish_reason]
+                    choice.stop_reason = out.stop_reason
+            done = text_client.complete(prompt, wire, params)
+            assert (done.text, done.token_ids) == (choice.text, choice.token_ids)
+            return [choice]
+
+    assert await asyncio.to_thread(blocking) == expected
+
+
+async def test_a_stop_string_aborts_the_request_in_the_engine(served: Served) -> None:
+    """The sample ends at the stop string and the gateway is told at once: the request is
+    aborted there (not run on to max_tokens), and its id is free again."""
+    tokenizer = served.tokenizer
+    prompt = _prompt(2, tokenizer)
+    sampling = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    async with AsyncClient(served.gateway.addresses[0]) as client:
+        text_client = AsyncTextClient(client, tokenizer)
+        free = await text_client.complete(prompt, sampling)
+        # A stop completed by the free text's third-to-fifth token.
+        stop = tokenizer.decode(free.token_ids[:5], skip_special_tokens=True)[-3:]
+        assert stop.strip() and len(free.token_ids) == 300
+        before = (await client.stats()).gateway
+        done = await text_client.complete(prompt, sampling, TextParams(stop=[stop]))
+        assert done.stop_reason == stop and done.finished is None
+        assert len(done.token_ids) <= 5
+        async with asyncio.timeout(30):
+            while (after := (await client.stats()).gateway)["aborted_by_client"] == before[
+                "aborted_by_client"
+            ]:
+                await asyncio.sleep(0.05)
+        assert after["aborted_by_client"] == before["aborted_by_client"] + 1
+        assert after["output_tokens"] - before["output_tokens"] < 150
+        assert not client.live_request_ids()

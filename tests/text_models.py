@@ -1,0 +1,193 @@
+"""Real tokenizers and tiny models that fit them, made locally (no hub), for the text tests.
+
+- ``bpe``: a byte-level BPE trained here with ``tokenizers`` on text full of multi-byte
+  characters (accents, CJK, emoji, Arabic, Cyrillic, Korean), with a ChatML template;
+  two end-of-sequence ids (``<|im_end|>``, ``<|endoftext|>``).
+- ``sp``: the 32k SentencePiece model that mistral-common ships (byte fallback), as a
+  fast tokenizer (transformers' LlamaTokenizer) and as a slow, Python one
+  (BertGenerationTokenizer), with an ``[INST]`` template.
+Each model is a tiny random Llama whose vocabulary is the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+from gateway.tiny_model import TINY_MODEL_CONFIG, _draw_weights, _publish, default_cache_dir
+
+_VERSION = "v1"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+INST = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ m['content'] }}{{ eos_token }}{% else %}[INST] {{ m['content'] }} [/INST]"
+    "{% endif %}{% endfor %}"
+)
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "you",
+    "that",
+    "it",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+    "this",
+    "have",
+    "from",
+    "or",
+    "one",
+    "had",
+    "by",
+    "word",
+    "but",
+    "not",
+    "what",
+    "all",
+    "were",
+    "we",
+    "when",
+    "your",
+    "can",
+    "said",
+    "there",
+    "use",
+    "an",
+    "each",
+    "which",
+    "she",
+    "do",
+    "how",
+    "their",
+    "if",
+    "will",
+    "up",
+    "other",
+    "about",
+    "out",
+    "many",
+    "then",
+    "them",
+    "these",
+    "so",
+    "some",
+    "her",
+]
+_MULTIBYTE = [
+    "café", "naïve", "日本語", "中文字符", "東京", "😀", "🎉", "👩‍💻", "Ωmega", "ß", "مرحبا",
+    "привет", "한국어", "€100", "—", "…", "</answer>", "\nObservation:",
+]  # fmt: skip
+
+
+def _sentencepiece_file() -> Path:
+    import mistral_common
+
+    return (
+        Path(mistral_common.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
+    )
+
+
+def write_bpe_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    lines = [
+        " ".join(rng.choice(_WORDS + _MULTIBYTE) for _ in range(rng.randint(3, 15)))
+        for _ in range(3000)
+    ]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(lines, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
+
+
+def write_sentencepiece_tokenizer(folder: Path, *, slow: bool) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(_sentencepiece_file(), folder / "tokenizer.model")
+    config = {
+        "tokenizer_class": "BertGenerationTokenizer" if slow else "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": INST,
+    }
+    if slow:
+        config["pad_token"] = "<pad>"
+    else:
+        config["add_bos_token"] = True
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def ensure_tokenizer(kind: str, cache_dir: Path | None = None) -> Path:
+    """The folder of tokenizer ``kind``: ``bpe``, ``sp-fast`` or ``sp-slow``."""
+    path = (cache_dir or default_cache_dir()) / f"tokenizer-{kind}-{_VERSION}"
+    if (path / "engine-gateway.json").exists():
+        return path
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if kind == "bpe":
+        write_bpe_tokenizer(tmp)
+    else:
+        write_sentencepiece_tokenizer(tmp, slow=kind == "sp-slow")
+    (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VERSION}))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def ensure_text_model(kind: str, cache_dir: Path | None = None) -> Path:
+    """A tiny random Llama with tokenizer ``kind`` beside it (vocabulary = the tokenizer's)."""
+    path = (cache_dir or default_cache_dir()) / f"tiny-llama-{kind}-{_VERSION}"
+    if (path / "engine-gateway.json").exists():
+        return path
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer_dir = ensure_tokenizer(kind, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eos = [tokenizer.eos_token_id]
+    if kind == "bpe":
+        eos.append(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos[0]
+    config = LlamaConfig(
+        **{**TINY_MODEL_CONFIG, "vocab_size": len(tokenizer), "bos_token_id": bos,
+           "eos_token_id": eos},
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    _draw_weights(model, 0, std=config.initializer_range)
+    generation = GenerationConfig(bos_token_id=bos, eos_token_id=eos)
+    path = _publish(path, _VERSION, model.to(torch.bfloat16), generation)
+    for name in (tokenizer_dir).iterdir():
+        if name.name != "engine-gateway.json":
+            shutil.copy(name, path / name.name)
+    return path
