@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from codec import FinishReason, Logprobs
+from codec import Logprobs
 
 from .tokenizer import TextError, TextTokenizer
 
@@ -38,7 +38,7 @@ class Conversation:
 
     ``Conversation.start(tokenizer, messages)`` renders the first prompt
     (``apply_chat_template`` with the generation prompt). Then, per turn:
-    ``add_completion(ids, logprobs, finish_reason)`` with the completion as sampled, and
+    ``add_completion(completion)`` with the completion as sampled, and
     ``add_messages([...])`` with the user, tool or observation messages that follow;
     ``prompt_ids`` is the next turn's prompt. ``token_ids``, ``sampled_mask`` and
     ``sampled_logprobs`` are what a trainer needs; ``turns`` the boundaries.
@@ -79,19 +79,25 @@ class Conversation:
 
     def add_completion(
         self,
-        token_ids: Sequence[int],
+        completion: Any,
         logprobs: Logprobs | Sequence[float] | None = None,
-        finish_reason: FinishReason | None = None,
         *,
         text: str | None = None,
     ) -> None:
-        """The completion of the current prompt, exactly as sampled. ``logprobs``: the
-        output's Logprobs (the sampled token's logprob is kept) or one float per id.
-        ``text``: the completion's text as the assistant message (default: the ids
-        decoded without special tokens); it is kept in ``messages`` only, never tokenized."""
+        """The completion of the current prompt, exactly as sampled: a TextCompletion (or
+        the core client's Completion), or its token ids. ``logprobs``: a Logprobs (the
+        sampled token's are kept) or one float per id; a completion's own by default.
+        ``text``: the assistant message's text (default: the TextCompletion's, else the
+        ids decoded without special tokens); it goes into ``messages`` only, never
+        tokenized."""
         if not self._awaiting_completion:
             raise TextError("add_completion: the conversation has no prompt waiting")
-        ids = list(token_ids)
+        if hasattr(completion, "token_ids"):
+            ids = list(completion.token_ids)
+            logprobs = completion.logprobs if logprobs is None else logprobs
+            text = getattr(completion, "text", None) if text is None else text
+        else:
+            ids = list(completion)
         values = _sampled_logprobs(logprobs, len(ids))
         if text is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -102,7 +108,7 @@ class Conversation:
         self.sampled_logprobs.extend(values)
         self.turns.append(Turn(start, len(self.token_ids), True, (message,)))
         self.messages.append(message)
-        self._pending_text = self._end_of_turn(ids, finish_reason)
+        self._pending_text = self._end_of_turn(ids)
         self._awaiting_completion = False
 
     def add_messages(self, messages: Sequence[Message]) -> list[int]:
@@ -125,13 +131,13 @@ class Conversation:
         self._awaiting_completion = True
         return ids
 
-    def _end_of_turn(self, ids: list[int], finish_reason: FinishReason | None) -> str:
-        """The text the template puts after an assistant message's content, less the stop
-        token the completion already ended with (EOS as sampled)."""
+    def _end_of_turn(self, ids: list[int]) -> str:
+        """The text the template puts after an assistant message's content, less the
+        special token the completion already ends with (its EOS, as sampled)."""
         base = [_BASE_USER, {"role": "assistant", "content": _SENTINEL}]
         rendered = self._render(base, add_generation_prompt=False)
         tail = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL) :]
-        if ids and finish_reason == FinishReason.STOP:
+        if ids and ids[-1] in self.tokenizer.all_special_ids:
             last = self.tokenizer.decode(ids[-1:], skip_special_tokens=False)
             if last and tail.startswith(last):
                 tail = tail[len(last) :]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, Client, GatewayPool
-from client.text import AsyncTextClient, TextClient, TextParams, load_tokenizer
+from client.text import AsyncTextClient, Conversation, TextClient, TextParams, load_tokenizer
 from codec import FinishReason, SamplingParams
 from gateway.auth import ControlPolicy
 from tests.client.text.openai_server import Choice, OpenAIServer
@@ -202,3 +202,28 @@ async def test_a_stop_string_aborts_the_request_in_the_engine(served: Served) ->
         assert after["aborted_by_client"] == before["aborted_by_client"] + 1
         assert after["output_tokens"] - before["output_tokens"] < 150
         assert not client.live_request_ids()
+
+
+async def test_a_multi_turn_conversation_through_the_gateway(served: Served) -> None:
+    """Three turns: each prompt is the previous prompt + the completion's ids as sampled
+    (stop string, EOS or length) + the new messages' ids; the trainer's mask and logprobs
+    line up with the sampled ids."""
+    tokenizer = served.tokenizer
+    conversation = Conversation.start(tokenizer, [{"role": "user", "content": "Hi, café?"}])
+    sampled: list[int] = []
+    async with AsyncClient(served.gateway.addresses[0]) as client:
+        text_client = AsyncTextClient(client, tokenizer)
+        for turn in range(3):
+            prompt = conversation.prompt_ids
+            sampling = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
+            done = await text_client.complete(prompt, sampling, TextParams(stop=["\n"]))
+            conversation.add_completion(done)
+            assert conversation.token_ids[len(prompt) :] == done.token_ids
+            sampled += done.token_ids
+            added = conversation.add_messages([{"role": "user", "content": f"turn {turn} 東京"}])
+            assert conversation.token_ids[-len(added) :] == added
+    mask = conversation.sampled_mask
+    assert [t for t, m in zip(conversation.token_ids, mask, strict=True) if m] == sampled
+    logprobs = [lp for lp, m in zip(conversation.sampled_logprobs, mask, strict=True) if m]
+    assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs)
+    assert len(conversation.messages) == 7
