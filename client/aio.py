@@ -34,6 +34,7 @@ from codec import (
     AbandonWeightUpdate,
     Abort,
     AbortAck,
+    AbortSamples,
     ControlDone,
     Error,
     ErrorCode,
@@ -245,6 +246,12 @@ class RequestStream:
         if self._started:
             self._abandon()
         self._done = True
+
+    def abort_samples(self, indices: Sequence[int]) -> None:
+        """Abort some samples of this live request (n > 1); the others run on. Each that
+        was still running gets its terminal output (ABORT) in this stream."""
+        if self.live and indices:
+            self._client._abort_samples(self.request_id, self._state, list(indices))
 
     def _finish(self) -> None:
         self._done = True
@@ -472,6 +479,10 @@ class AsyncClient(CompletionCalls):
             self._send(Abort([request_id]))  # call_id 0: nobody waits for this ack
         else:
             del self._streams[request_id]
+
+    def _abort_samples(self, request_id: str, state: _Stream, indices: list[int]) -> None:
+        if self._streams.get(request_id) is state and self.connected:
+            self._send(AbortSamples(request_id, indices))  # call_id 0: nobody waits
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> AbortAck:
         """Abort some (or, with None, all) of this client's requests; wait for the ack.

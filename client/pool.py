@@ -80,6 +80,11 @@ class PoolStream:
         if self._stream is not None:
             await self._stream.aclose()
 
+    def abort_samples(self, indices: Sequence[int]) -> None:
+        """As RequestStream.abort_samples."""
+        if self._stream is not None:
+            self._stream.abort_samples(indices)
+
 
 class GatewayPool(CompletionCalls):
     """Several gateways as one client; use as ``async with GatewayPool(addresses) as pool``.

@@ -33,6 +33,7 @@ __all__ = [
     "Hello",
     "Generate",
     "Abort",
+    "AbortSamples",
     "Ping",
     "GetModelInfo",
     "GetHealth",
@@ -217,6 +218,7 @@ TENSOR_DTYPE_SIZES = {
 FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 MAX_TENSOR_DIMS = 16  # dims of one Tensor's shape (vLLM's processors make at most 5)
 MAX_ITEM_TENSORS = 64  # tensors of one MultimodalItem (a processor makes a handful)
+MAX_ABORT_SAMPLES = 1024  # indices in one AbortSamples
 
 
 class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -281,6 +283,15 @@ class Abort(_ClientBase, tag=3):
 
     request_ids: list[str] | None = None  # None: every live request of this client
     call_id: int = 0  # echoed in the AbortAck, or in the Error refusing this Abort
+
+
+class AbortSamples(_ClientBase, tag=25):
+    """Abort some samples of one live request (n > 1); its other samples run on.
+    Answered by AbortAck (the request in ``aborted`` when one of them was live)."""
+
+    request_id: str
+    samples: Annotated[list[int], Meta(max_length=MAX_ABORT_SAMPLES)]
+    call_id: int = 0
 
 
 class Ping(_ClientBase, tag=4):
@@ -457,6 +468,7 @@ ClientMessage = (
     Hello
     | Generate
     | Abort
+    | AbortSamples
     | Ping
     | GetModelInfo
     | GetHealth

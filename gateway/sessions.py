@@ -38,6 +38,7 @@ from codec import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
+    AbortSamples,
     ClientMessage,
     EngineLoad,
     Error,
@@ -323,6 +324,7 @@ class SessionTable:
             Hello: self._on_hello,
             Generate: self._on_generate,
             Abort: self._on_abort,
+            AbortSamples: self._on_abort_samples,
             Ping: self._on_ping,
             GetModelInfo: self._on_get_model_info,
             GetHealth: self._on_get_health,
@@ -801,6 +803,29 @@ class SessionTable:
         effects.replies.append((client_id, ack))
         return effects
 
+    def _on_abort_samples(self, client_id: bytes, msg: AbortSamples, now: float) -> Effects:
+        """Some samples of one request (a client that ended them itself, on a text stop
+        string): those still live end with ABORT; the others run on."""
+        client = self._clients.get(client_id)
+        if client is None:
+            error = Error(
+                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before AbortSamples", msg.call_id
+            )
+            return Effects(replies=[(client_id, error)])
+        request = client.requests.get(msg.request_id)
+        effects = Effects()
+        indices = set(msg.samples)
+        if request is not None and any(
+            not sample.done and sample.index in indices for sample in request.samples
+        ):
+            self.stats.aborted_by_client += 1
+            self._end_requests([request], FinishReason.ABORT, effects, now=now, samples=indices)
+            ack = AbortAck([msg.request_id], [], msg.call_id)
+        else:
+            ack = AbortAck([], [msg.request_id], msg.call_id)
+        effects.replies.append((client_id, ack))
+        return effects
+
     def _on_ping(self, client_id: bytes, msg: Ping, now: float) -> Effects:
         client = self._clients.get(client_id)
         session_id = 0 if client is None else client.session_id
@@ -1079,8 +1104,10 @@ class SessionTable:
         *,
         now: float,
         tell_engine: bool = True,
+        samples: set[int] | None = None,
     ) -> None:
-        """End every live sample of ``requests`` now: the one way requests end early.
+        """End every live sample of ``requests`` now (only those of index in ``samples``,
+        when given): the one way requests end early.
 
         ``ending`` is a FinishReason (each live sample gets a terminal
         RequestOutput with its tokens so far, one Outputs frame per client) or
@@ -1090,7 +1117,11 @@ class SessionTable:
         """
         terminals: dict[bytes, list[RequestOutput]] = {}
         for request in requests:
-            live = [sample for sample in request.samples if not sample.done]
+            live = [
+                sample
+                for sample in request.samples
+                if not sample.done and (samples is None or sample.index in samples)
+            ]
             if not live:
                 continue
             for sample in live:

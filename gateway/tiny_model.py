@@ -17,6 +17,8 @@ from typing import Any
 
 __all__ = [
     "TINY_MODEL_CONFIG",
+    "ensure_tiny_tokenizer",
+    "write_byte_level_bpe",
     "TINY_EOS_TOKEN_IDS",
     "TINY_VLM_IMAGE_TOKEN",
     "default_cache_dir",
@@ -179,6 +181,67 @@ def _draw_weights(model: Any, seed: int, std: float) -> None:
             else:
                 drawn = torch.randn(param.shape, generator=generator, dtype=torch.float64)
                 param.copy_(drawn * std)
+
+
+_TOKENIZER_VERSION = "v1"
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from "
+    "or one had by word but not what all were we when your can said there use an each which she "
+    "do how their if will up other about out many then them these so some her would make like"
+)
+_MULTIBYTE = "café naïve 日本語 中文字符 東京 😀 🎉 Ωmega ß مرحبا привет 한국어 €100 — … </answer>"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_byte_level_bpe(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE of at most ``vocab_size`` ids trained here (seeded text with words
+    and multi-byte characters), ids 0-2 ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``
+    (the EOS), and a ChatML chat template; saved as a Hugging Face tokenizer."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = _WORDS.split() + _MULTIBYTE.split() + ["\nObservation:"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 15))) for _ in range(3000)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(lines, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+
+def ensure_tiny_tokenizer(cache_dir: Path | None = None) -> Path:
+    """A tokenizer for the tiny model (for text in the client: ``client.text``): a byte-level
+    BPE of exactly its 512 ids, generated on first use. The gateway never needs it."""
+    path = (cache_dir or default_cache_dir()) / f"tiny-llama-tokenizer-{_TOKENIZER_VERSION}"
+    if (path / "engine-gateway.json").exists():
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    write_byte_level_bpe(tmp, TINY_MODEL_CONFIG["vocab_size"])
+    (tmp / "engine-gateway.json").write_text(json.dumps({"version": _TOKENIZER_VERSION}))
+    try:
+        tmp.rename(path)
+    except OSError:  # another process won the race; use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 if __name__ == "__main__":

@@ -70,6 +70,39 @@ async def run_demo(address: str) -> None:
         done = await client.complete([1, 17, 42], SamplingParams(temperature=0.0, max_tokens=16))
         assert done.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         print(f"non-streaming: {done.token_ids} ({done.finish_reason.name})")
+        await text_demo(client)
+
+
+async def text_demo(client: AsyncClient) -> None:
+    """Text next to the ids (client.text): the client detokenizes as vLLM's front-end does,
+    ends a sample on a stop string (the gateway is told at once), and keeps a multi-turn
+    conversation as the ids that were sampled."""
+    from client.text import AsyncTextClient, Conversation, TextParams, load_tokenizer
+    from gateway.tiny_model import ensure_tiny_tokenizer
+
+    # A byte-level BPE of the model's 512 ids. Loading imports transformers (seconds): off
+    # the event loop, so the client's heartbeats go on meanwhile.
+    tokenizer = await asyncio.to_thread(load_tokenizer, ensure_tiny_tokenizer())
+    text_client = AsyncTextClient(client, tokenizer)
+    conversation = Conversation.start(tokenizer, [{"role": "user", "content": "Say café, 東京"}])
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    print(f"text: prompt {conversation.prompt_ids[:8]}... ({len(conversation.prompt_ids)} ids)")
+    free = await text_client.complete(conversation.prompt_ids, greedy)
+    pairs = [free.text[i : i + 2] for i in range(4, len(free.text) - 1)]
+    stop = next((p for p in pairs if p.isprintable() and "\ufffd" not in p and p.strip()), "\n")
+    print(f"  without stop strings: {free.text!r} ({len(free.token_ids)} ids)")
+    sampled: list[int] = []
+    async for out in text_client.generate(conversation.prompt_ids, greedy, TextParams(stop=[stop])):
+        print(f"  ids {out.token_ids} -> text {out.text!r}")
+        sampled += out.token_ids
+        if out.done:
+            print(f"  ended: {out.finish_reason.name}, stop string {out.stop_reason!r}")
+    conversation.add_completion(sampled)
+    added = conversation.add_messages([{"role": "user", "content": "Again?"}])
+    print(
+        f"  turn 2 prompt: {len(conversation.prompt_ids)} ids = turn 1 prompt + the "
+        f"{len(sampled)} sampled ids + {len(added)} ids of the new message"
+    )
 
 
 def main() -> int:

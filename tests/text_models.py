@@ -1,8 +1,9 @@
 """Real tokenizers and tiny models that fit them, made locally (no hub), for the text tests.
 
 - ``bpe``: a byte-level BPE trained here with ``tokenizers`` on text full of multi-byte
-  characters (accents, CJK, emoji, Arabic, Cyrillic, Korean), with a ChatML template;
-  two end-of-sequence ids (``<|im_end|>``, ``<|endoftext|>``).
+  characters (accents, CJK, emoji, Arabic, Cyrillic, Korean), with a ChatML template
+  (gateway.tiny_model.write_byte_level_bpe, up to 1024 ids); its model has two
+  end-of-sequence ids (``<|im_end|>``, ``<|endoftext|>``).
 - ``sp``: the 32k SentencePiece model that mistral-common ships (byte fallback), as a
   fast tokenizer (transformers' LlamaTokenizer) and as a slow, Python one
   (BertGenerationTokenizer), with an ``[INST]`` template.
@@ -12,88 +13,23 @@ Each model is a tiny random Llama whose vocabulary is the tokenizer's.
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
-from gateway.tiny_model import TINY_MODEL_CONFIG, _draw_weights, _publish, default_cache_dir
-
-_VERSION = "v1"
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+from gateway.tiny_model import (
+    TINY_MODEL_CONFIG,
+    _draw_weights,
+    _publish,
+    default_cache_dir,
+    write_byte_level_bpe,
 )
+
+_VERSION = "v2"
 INST = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
     "{{ m['content'] }}{{ eos_token }}{% else %}[INST] {{ m['content'] }} [/INST]"
     "{% endif %}{% endfor %}"
 )
-_WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "you",
-    "that",
-    "it",
-    "he",
-    "was",
-    "for",
-    "on",
-    "are",
-    "as",
-    "with",
-    "his",
-    "they",
-    "at",
-    "be",
-    "this",
-    "have",
-    "from",
-    "or",
-    "one",
-    "had",
-    "by",
-    "word",
-    "but",
-    "not",
-    "what",
-    "all",
-    "were",
-    "we",
-    "when",
-    "your",
-    "can",
-    "said",
-    "there",
-    "use",
-    "an",
-    "each",
-    "which",
-    "she",
-    "do",
-    "how",
-    "their",
-    "if",
-    "will",
-    "up",
-    "other",
-    "about",
-    "out",
-    "many",
-    "then",
-    "them",
-    "these",
-    "so",
-    "some",
-    "her",
-]
-_MULTIBYTE = [
-    "café", "naïve", "日本語", "中文字符", "東京", "😀", "🎉", "👩‍💻", "Ωmega", "ß", "مرحبا",
-    "привет", "한국어", "€100", "—", "…", "</answer>", "\nObservation:",
-]  # fmt: skip
 
 
 def _sentencepiece_file() -> Path:
@@ -102,33 +38,6 @@ def _sentencepiece_file() -> Path:
     return (
         Path(mistral_common.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
     )
-
-
-def write_bpe_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    lines = [
-        " ".join(rng.choice(_WORDS + _MULTIBYTE) for _ in range(rng.randint(3, 15)))
-        for _ in range(3000)
-    ]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(lines, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(folder)
 
 
 def write_sentencepiece_tokenizer(folder: Path, *, slow: bool) -> None:
@@ -156,7 +65,7 @@ def ensure_tokenizer(kind: str, cache_dir: Path | None = None) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if kind == "bpe":
-        write_bpe_tokenizer(tmp)
+        write_byte_level_bpe(tmp, 1024)
     else:
         write_sentencepiece_tokenizer(tmp, slow=kind == "sp-slow")
     (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VERSION}))

@@ -62,10 +62,8 @@ class TextStream:
     """A request's TextOutputs, as an async iterator (``AsyncTextClient.generate``).
 
     The Generate is sent when iteration starts. A sample ended by a stop string gets its
-    last output at once; when every sample has ended, a request still running in the
-    engine is aborted (``aclose()`` aborts it too). With n > 1, a sample that met a stop
-    string runs on in the engine until the others end (the protocol aborts requests,
-    not samples); its further tokens are dropped.
+    last output at once, and the gateway is told to stop it in the engine (the request,
+    or with n > 1 only that sample: Abort.samples). ``aclose()`` aborts the request.
     """
 
     def __init__(
@@ -99,7 +97,6 @@ class TextStream:
         )
         self.request_id: str = self._requests.request_id
         self._left = n
-        self._ended_here = False
 
     def __aiter__(self) -> TextStream:
         return self
@@ -113,10 +110,10 @@ class TextStream:
             result = sample.add(out)
             if result.done:
                 self._left -= 1
-                if result.finished is None:
-                    self._ended_here = True
-                if not self._left and self._ended_here:
-                    await self._requests.aclose()  # aborts what still runs in the engine
+                if not self._left:
+                    await self._requests.aclose()  # aborts what the engine still runs
+                elif result.finished is None:  # a stop string: the engine would go on
+                    self._requests.abort_samples([out.index])
                 return result
             if self._stream and (result.text or result.token_ids):
                 return result

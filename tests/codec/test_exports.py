@@ -32,6 +32,7 @@ EXPECTED_CODEC = {
     "Hello",
     "Generate",
     "Abort",
+    "AbortSamples",
     "Ping",
     "GetModelInfo",
     "GetHealth",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from codec import (
     Abort,
     AbortAck,
+    AbortSamples,
     Error,
     ErrorCode,
     FinishReason,
@@ -222,6 +223,43 @@ def test_n_samples_each_get_a_terminal_and_the_request_ends_with_the_last():
     assert h.table.live_requests == 0
     first, second = h.take(A)
     assert (first.outputs[0].index, second.outputs[0].index) == (0, 1)
+
+
+def test_abort_of_some_samples_ends_those_and_the_others_run_on():
+    h = TableHarness()
+    hello(h, A)
+    h.send(A, Generate("r1", [5], sampling=SamplingParams(n=3)))
+    e0, e1, e2 = engine_ids(h)
+    h.step(FakeOutput(e0, [1]), FakeOutput(e1, [2]), FakeOutput(e2, [3]))
+    h.take(A)
+    h.send(A, AbortSamples("r1", [1, 2, 9], 7))
+    assert h.aborted == [e1, e2]
+    terminal, ack = h.take(A)
+    assert [(o.index, o.finished.finish_reason) for o in terminal.outputs] == [
+        (1, FinishReason.ABORT),
+        (2, FinishReason.ABORT),
+    ]
+    assert ack == AbortAck(["r1"], [], 7) and h.table.live_requests == 1
+    assert h.step(FakeOutput(e1, [4])) == []  # raced the abort: dropped
+    h.send(A, AbortSamples("r1", [1], 8))  # no live sample among them
+    assert h.take(A) == [AbortAck([], ["r1"], 8)]
+    h.step(FakeOutput(e0, [5], finish_reason=1))
+    (last,) = h.take(A)
+    assert last.outputs[0].index == 0 and last.outputs[0].finished.output_tokens == 2
+    assert h.table.live_requests == 0
+
+
+def test_abort_of_samples_needs_a_session_and_names_a_request_of_this_client():
+    h = TableHarness()
+    h.send(A, AbortSamples("r1", [0], 3))
+    (err,) = h.take(A)
+    assert err.code is ErrorCode.HANDSHAKE_REQUIRED and err.call_id == 3
+    hello(h, A)
+    hello(h, B)
+    h.send(A, Generate("r1", [5], sampling=SamplingParams(n=2)))
+    h.send(B, AbortSamples("r1", [0, 1], 4))
+    assert h.take(B) == [AbortAck([], ["r1"], 4)]
+    assert h.table.live_requests == 1 and not h.aborted
 
 
 def test_overloaded_per_client_and_in_total():

@@ -227,3 +227,27 @@ async def test_a_multi_turn_conversation_through_the_gateway(served: Served) -> 
     logprobs = [lp for lp, m in zip(conversation.sampled_logprobs, mask, strict=True) if m]
     assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs)
     assert len(conversation.messages) == 7
+
+
+async def test_a_stop_string_in_one_sample_aborts_only_that_sample(served: Served) -> None:
+    """n = 2: sample 0 meets its stop string early and is stopped in the engine at once
+    (AbortSamples); sample 1 runs on to max_tokens."""
+    tokenizer = served.tokenizer
+    prompt = _prompt(5, tokenizer)
+    sampling = SamplingParams(n=2, max_tokens=300, temperature=0.9, seed=7, ignore_eos=True)
+    async with AsyncClient(served.gateway.addresses[0]) as client:
+        text_client = AsyncTextClient(client, tokenizer)
+        free = await text_client.complete_samples(prompt, sampling)
+        early = tokenizer.decode(free[0].token_ids[:5], skip_special_tokens=True)
+        stop = next(
+            early[i : i + 3]
+            for i in range(len(early) - 3, -1, -1)
+            if early[i : i + 3].strip() and early[i : i + 3] not in free[1].text
+        )
+        before = (await client.stats()).gateway
+        done = await text_client.complete_samples(prompt, sampling, TextParams(stop=[stop]))
+        after = (await client.stats()).gateway
+    assert done[0].stop_reason == stop and len(done[0].token_ids) <= 5
+    assert done[1].token_ids == free[1].token_ids and done[1].finish_reason == FinishReason.LENGTH
+    assert after["aborted_by_client"] == before["aborted_by_client"] + 1
+    assert after["output_tokens"] - before["output_tokens"] < 450  # not 2 x 300
