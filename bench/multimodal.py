@@ -30,7 +30,7 @@ from pathlib import Path
 from client import AsyncClient, SamplingParams
 
 from .engine_counters import frontend_cpu_seconds
-from .targets import GatewayServer, _free_port, _Process
+from .targets import GatewayServer, _free_port, _Process, wait_http_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GROUP = 8
@@ -122,18 +122,8 @@ class ChatServer:
 async def _http_run(server: ChatServer, model: str, images) -> dict:
     import aiohttp
 
+    await wait_http_healthy(server.port, server.process)
     async with aiohttp.ClientSession() as session:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                async with session.get(f"http://127.0.0.1:{server.port}/health") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline or server.process.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve did not start:\n{server.process.tail()}")
-            await asyncio.sleep(1)
         cpu0 = frontend_cpu_seconds(server.process.pid)
         ttft, sent_bytes = [], []
         for i, image in enumerate(images):

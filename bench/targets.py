@@ -181,6 +181,22 @@ class _Process:
         self._log.close()
 
 
+async def wait_http_healthy(port: int, process: _Process, timeout_s: float = 300) -> None:
+    """Until ``GET /health`` on ``port`` answers 200; raises with the log's tail when the
+    server exits first or ``timeout_s`` passes."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline and process.proc.poll() is None:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                    if response.status == 200:
+                        return
+            await asyncio.sleep(1)
+    raise RuntimeError(f"vllm serve did not start:\n{process.tail()}")
+
+
 class GatewayServer:
     """`python -m gateway serve` on the tiny model, bound to ipc:// and tcp:// at once."""
 

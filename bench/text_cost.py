@@ -116,22 +116,6 @@ async def _http_round(
     return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "texts": texts}
 
 
-async def _wait_healthy(port: int, process: Any, timeout_s: float = 300) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline and process.proc.poll() is None:
-            try:
-                async with session.get(f"http://127.0.0.1:{port}/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(1)
-    raise RuntimeError(f"vllm serve did not start:\n{process.tail()}")
-
-
 def _per_token_us(rounds: list[dict[str, Any]]) -> float:
     return statistics.median(r["cpu_s"] / r["tokens"] * 1e6 for r in rounds)
 
@@ -141,7 +125,13 @@ def _tok_s(rounds: list[dict[str, Any]]) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.targets import MAX_MODEL_LEN, GatewayServer, _free_port, _Process
+    from bench.targets import (
+        MAX_MODEL_LEN,
+        GatewayServer,
+        _free_port,
+        _Process,
+        wait_http_healthy,
+    )
     from client.text import load_tokenizer
     from gateway.tiny_model import TINY_MODEL_CONFIG, ensure_tiny_model, ensure_tiny_tokenizer
 
@@ -173,7 +163,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "vllm-serve-text.log",
     )  # fmt: skip
     try:
-        await _wait_healthy(port, http)
+        await wait_http_healthy(port, http)
         for _ in range(args.rounds + 1):
             results["http"].append(
                 await _http_round(port, model, prompts, args.max_tokens, args.concurrency, http.pid)

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = [
     "TINY_MODEL_CONFIG",
     "ensure_tiny_tokenizer",
-    "write_byte_level_bpe",
+    "make_byte_level_bpe",
     "TINY_EOS_TOKEN_IDS",
     "TINY_VLM_IMAGE_TOKEN",
     "default_cache_dir",
@@ -196,10 +196,10 @@ CHATML_TEMPLATE = (
 )
 
 
-def write_byte_level_bpe(folder: Path, vocab_size: int) -> None:
+def make_byte_level_bpe(vocab_size: int) -> Any:
     """A byte-level BPE of at most ``vocab_size`` ids trained here (seeded text with words
     and multi-byte characters), ids 0-2 ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``
-    (the EOS), and a ChatML chat template; saved as a Hugging Face tokenizer."""
+    (the EOS), and a ChatML chat template: a Hugging Face tokenizer (``save_pretrained``)."""
     import random
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -223,7 +223,7 @@ def write_byte_level_bpe(folder: Path, vocab_size: int) -> None:
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    return tokenizer
 
 
 def ensure_tiny_tokenizer(cache_dir: Path | None = None) -> Path:
@@ -232,16 +232,8 @@ def ensure_tiny_tokenizer(cache_dir: Path | None = None) -> Path:
     path = (cache_dir or default_cache_dir()) / f"tiny-llama-tokenizer-{_TOKENIZER_VERSION}"
     if (path / "engine-gateway.json").exists():
         return path
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write_byte_level_bpe(tmp, TINY_MODEL_CONFIG["vocab_size"])
-    (tmp / "engine-gateway.json").write_text(json.dumps({"version": _TOKENIZER_VERSION}))
-    try:
-        tmp.rename(path)
-    except OSError:  # another process won the race; use its copy
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    vocab_size = TINY_MODEL_CONFIG["vocab_size"]
+    return _publish(path, _TOKENIZER_VERSION, make_byte_level_bpe(vocab_size))
 
 
 if __name__ == "__main__":

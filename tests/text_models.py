@@ -2,7 +2,7 @@
 
 - ``bpe``: a byte-level BPE trained here with ``tokenizers`` on text full of multi-byte
   characters (accents, CJK, emoji, Arabic, Cyrillic, Korean), with a ChatML template
-  (gateway.tiny_model.write_byte_level_bpe, up to 1024 ids); its model has two
+  (gateway.tiny_model.make_byte_level_bpe, up to 1024 ids); its model has two
   end-of-sequence ids (``<|im_end|>``, ``<|endoftext|>``).
 - ``sp``: the 32k SentencePiece model that mistral-common ships (byte fallback), as a
   fast tokenizer (transformers' LlamaTokenizer) and as a slow, Python one
@@ -21,7 +21,7 @@ from gateway.tiny_model import (
     _draw_weights,
     _publish,
     default_cache_dir,
-    write_byte_level_bpe,
+    make_byte_level_bpe,
 )
 
 _VERSION = "v2"
@@ -65,7 +65,7 @@ def ensure_tokenizer(kind: str, cache_dir: Path | None = None) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if kind == "bpe":
-        write_byte_level_bpe(tmp, 1024)
+        make_byte_level_bpe(1024).save_pretrained(tmp)
     else:
         write_sentencepiece_tokenizer(tmp, slow=kind == "sp-slow")
     (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VERSION}))

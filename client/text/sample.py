@@ -28,6 +28,7 @@ class TextOutput:
     ``finish_reason``/``stop_reason`` on a sample's last output: ``stop_reason`` is a stop
     token id, a token stop sequence, or the stop string that ended it. ``finished`` is the
     gateway's terminal (None when the client ended the sample on a stop string).
+    ``prompt_logprobs`` as the gateway sent them (on a sample's first output).
     """
 
     request_id: str
@@ -38,6 +39,7 @@ class TextOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | list[int] | str | None = None
     finished: Finished | None = None
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def done(self) -> bool:
@@ -67,6 +69,7 @@ class SampleText:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: Logprobs | None = None
+        self.prompt_logprobs: Logprobs | None = None
         self._sent = 0  # characters of text already given out (streaming)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | list[int] | str | None = None
@@ -99,6 +102,7 @@ class SampleText:
         kept = len(self.token_ids) - num_prev
         logprobs = Logprobs.rows(out.logprobs, 0, kept) if kept < len(new_ids) else out.logprobs
         self.logprobs = Logprobs.concat(self.logprobs, logprobs)
+        self.prompt_logprobs = Logprobs.concat(self.prompt_logprobs, out.prompt_logprobs)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = FinishReason.STOP, stop_string
             fin = None
@@ -115,6 +119,7 @@ class SampleText:
                 self.finish_reason,
                 self.stop_reason,
                 fin,
+                out.prompt_logprobs,
             )
         return TextOutput(
             out.request_id,
@@ -125,6 +130,7 @@ class SampleText:
             self.finish_reason,
             self.stop_reason,
             fin,
+            self.prompt_logprobs,
         )
 
     def _update(self, new_ids: list[int], stop_token: bool) -> str | None:

@@ -30,6 +30,7 @@ class TextCompletion:
     stop_reason: int | list[int] | str | None
     logprobs: Logprobs | None = None
     finished: Finished | None = None
+    prompt_logprobs: Logprobs | None = None
 
     @classmethod
     def of(cls, out: TextOutput) -> TextCompletion:
@@ -43,6 +44,7 @@ class TextCompletion:
             out.stop_reason,
             out.logprobs,
             out.finished,
+            out.prompt_logprobs,
         )
 
 
