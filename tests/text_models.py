@@ -57,8 +57,27 @@ def write_sentencepiece_tokenizer(folder: Path, *, slow: bool) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+def write_wordpiece_tokenizer(folder: Path) -> None:
+    """A small BERT-style WordPiece (a fast tokenizer whose decoder puts spaces between
+    tokens, added tokens too: what ``spaces_between_special_tokens`` acts on)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat"]
+    words += ["##s", "##ing", "##ed", "café", "東", "京", "!", ",", "hello", "world", "##é"]
+    wordpiece = Tokenizer(models.WordPiece(vocab={w: i for i, w in enumerate(words)}))
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        pad_token="[PAD]", mask_token="[MASK]",
+    )  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>", "</tool>"]})
+    tokenizer.save_pretrained(folder)
+
+
 def ensure_tokenizer(kind: str, cache_dir: Path | None = None) -> Path:
-    """The folder of tokenizer ``kind``: ``bpe``, ``sp-fast`` or ``sp-slow``."""
+    """The folder of tokenizer ``kind``: ``bpe``, ``sp-fast``, ``sp-slow`` or ``wordpiece``."""
     path = (cache_dir or default_cache_dir()) / f"tokenizer-{kind}-{_VERSION}"
     if (path / "engine-gateway.json").exists():
         return path
@@ -66,6 +85,8 @@ def ensure_tokenizer(kind: str, cache_dir: Path | None = None) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     if kind == "bpe":
         make_byte_level_bpe(1024).save_pretrained(tmp)
+    elif kind == "wordpiece":
+        write_wordpiece_tokenizer(tmp)
     else:
         write_sentencepiece_tokenizer(tmp, slow=kind == "sp-slow")
     (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VERSION}))

@@ -1,7 +1,7 @@
 """The client's text equals vLLM's front-end, delta by delta, for a byte-level BPE, a fast
-SentencePiece and a slow (Python) SentencePiece tokenizer: random ids (split multi-byte
-characters, special tokens), one or several ids per step, stop strings taken from the text
-(inside one token and across several), every text option."""
+SentencePiece, a slow (Python) SentencePiece and a WordPiece tokenizer: random ids (split
+multi-byte characters, special tokens side by side), one or several ids per step, stop strings
+taken from the text (inside one token and across several), every text option."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from codec import Finished, FinishReason, RequestOutput
 from tests.client.text.vllm_detokenizer import vllm_steps
 from tests.text_models import ensure_tokenizer
 
-KINDS = ["bpe", "sp-fast", "sp-slow"]
+KINDS = ["bpe", "sp-fast", "sp-slow", "wordpiece"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -39,7 +39,6 @@ def _partial_characters(tokenizer) -> list[int]:  # noqa: ANN001
             for i in range(vocab)
             if "\ufffd" in tokenizer.decode([i]) or re.fullmatch("<0x[0-9A-F]{2}>", pieces[i])
         ]
-        assert len(_PARTS[key]) >= 64
     return _PARTS[key]
 
 
@@ -51,7 +50,7 @@ def _random_ids(rng: random.Random, tokenizer, count: int, specials: float) -> l
     for _ in range(count):
         if rng.random() < specials:
             ids.append(rng.choice(special))
-        elif rng.random() < 0.3:
+        elif parts and rng.random() < 0.3:
             ids.append(rng.choice(parts))
         else:
             ids.append(rng.randrange(vocab))
