@@ -20,7 +20,23 @@ _INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class TokenDecoder:
-    """Turns one sample's token ids, one at a time, into the text each adds."""
+    """Turns one sample's token ids, one at a time, into the text each adds; primed with
+    the prompt's ids (text is what follows them)."""
+
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
+        self._prime(list(prompt_ids))
+
+    def _prime(self, prompt_ids: list[int]) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     def decode_next(self, token_id: int) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -30,23 +46,16 @@ class _StreamDecoder(TokenDecoder):
     """A fast tokenizer's ``DecodeStream``; with ``spaces_between_special_tokens`` off,
     consecutive added tokens are joined without the space the decoder puts between them."""
 
-    def __init__(
-        self,
-        tokenizer: TextTokenizer,
-        prompt_ids: Sequence[int],
-        skip_special_tokens: bool,
-        spaces_between_special_tokens: bool,
-    ):
+    def _prime(self, prompt_ids: list[int]) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._new_stream = DecodeStream
-        self._backend = tokenizer.backend
-        self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
+        self._backend = self._tokenizer.backend
+        self._stream = DecodeStream(ids=prompt_ids, skip_special_tokens=self._skip_special_tokens)
         self._added: dict[int, str] | None = None
         self._last_added = False
-        if not (skip_special_tokens or spaces_between_special_tokens):
-            self._added = tokenizer.added_token_text or None
+        if not (self._skip_special_tokens or self._spaces):
+            self._added = self._tokenizer.added_token_text or None
 
     def decode_next(self, token_id: int) -> str:
         try:
@@ -71,18 +80,9 @@ class _StreamDecoder(TokenDecoder):
 class _WindowDecoder(TokenDecoder):
     """The Python incremental algorithm over a growing list of token strings."""
 
-    def __init__(
-        self,
-        tokenizer: TextTokenizer,
-        prompt_ids: Sequence[int],
-        skip_special_tokens: bool,
-        spaces_between_special_tokens: bool,
-    ):
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._spaces = spaces_between_special_tokens
+    def _prime(self, prompt_ids: list[int]) -> None:
         self._tokens, self._prefix_offset, self._read_offset = prompt_window(
-            tokenizer, list(prompt_ids), skip_special_tokens
+            self._tokenizer, prompt_ids, self._skip_special_tokens
         )
 
     def decode_next(self, token_id: int) -> str:
