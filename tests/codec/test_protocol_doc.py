@@ -11,6 +11,8 @@ import pytest
 
 from codec import (
     Abort,
+    AbortAck,
+    AbortSamples,
     ControlDone,
     Error,
     ErrorCode,
@@ -54,7 +56,8 @@ def _dumps() -> list[tuple[list[bytes], object]]:
 
 
 def test_the_document_has_its_dumps():
-    assert [value[0] for _, value in _dumps()] == [1, 2, 2, 65, 3, 66, 7, 72, 19, 20, 21, 23, 74]
+    tags = [value[0] for _, value in _dumps()]
+    assert tags == [1, 2, 2, 65, 3, 66, 25, 67, 7, 72, 19, 20, 21, 23, 74]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -67,9 +70,8 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 
 def test_dumps_decode_to_the_described_messages():
     dumps = [frames for frames, _ in _dumps()]
-    hello, generate, images, outputs, abort, error, pause, done, start, update, finish, query = (
-        dumps[:-1]
-    )
+    hello, generate, images, outputs, abort, error, abort_samples, ack = dumps[:8]
+    pause, done, start, update, finish, query = dumps[8:-1]
     reply = dumps[-1]
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
@@ -104,6 +106,10 @@ def test_dumps_decode_to_the_described_messages():
     e = decode_server(error)
     assert isinstance(e, Error) and e.request_id is None and e.call_id == 9
     assert e.code is ErrorCode.INVALID_MESSAGE
+    s = decode_client(abort_samples)
+    assert isinstance(s, AbortSamples) and (s.request_id, s.samples, s.call_id) == ("r1", [1], 7)
+    k = decode_server(ack)
+    assert isinstance(k, AbortAck) and (k.aborted, k.unknown, k.call_id) == (["r1"], [], 7)
     p = decode_client(pause)
     assert isinstance(p, Pause) and (p.call_id, p.mode, p.clear_cache) == (5, "keep", False)
     d = decode_server(done)
