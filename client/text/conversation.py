@@ -17,8 +17,11 @@ __all__ = ["Conversation", "Turn"]
 
 Message = Mapping[str, Any]
 # Stand-in messages the template renders before a delta; their text is cut off again.
-_BASE_USER = {"role": "user", "content": "engine-gateway base message"}
 _SENTINEL = "\ue000engine-gateway-sentinel\ue001"
+_BASE = (
+    {"role": "user", "content": "engine-gateway base message"},
+    {"role": "assistant", "content": _SENTINEL},
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,7 @@ class Conversation:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     _pending_text: str = ""  # the end of the last assistant turn, not yet added
     _awaiting_completion: bool = False
+    _base_text: str | None = None  # the stand-in messages rendered (the same every turn)
 
     @classmethod
     def start(
@@ -117,9 +121,8 @@ class Conversation:
         if self._awaiting_completion:
             raise TextError("add_messages: the last prompt has no completion yet")
         messages = _checked(messages)
-        base = [_BASE_USER, {"role": "assistant", "content": _SENTINEL}]
-        before = self._render(base, add_generation_prompt=False)
-        after = self._render(base + messages, add_generation_prompt=True)
+        before = self._rendered_base()
+        after = self._render([*_BASE, *messages], add_generation_prompt=True)
         if not after.startswith(before):
             raise TextError(
                 "the chat template does not render these messages as an extension of the "
@@ -134,14 +137,19 @@ class Conversation:
     def _end_of_turn(self, ids: list[int]) -> str:
         """The text the template puts after an assistant message's content, less the
         special token the completion already ends with (its EOS, as sampled)."""
-        base = [_BASE_USER, {"role": "assistant", "content": _SENTINEL}]
-        rendered = self._render(base, add_generation_prompt=False)
+        rendered = self._rendered_base()
         tail = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL) :]
         if ids and ids[-1] in self.tokenizer.all_special_ids:
             last = self.tokenizer.decode(ids[-1:], skip_special_tokens=False)
             if last and tail.startswith(last):
                 tail = tail[len(last) :]
         return tail
+
+    def _rendered_base(self) -> str:
+        """The stand-in user and assistant messages, rendered once per conversation."""
+        if self._base_text is None:
+            self._base_text = self._render(list(_BASE), add_generation_prompt=False)
+        return self._base_text
 
     def _render(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         try:

@@ -65,7 +65,7 @@ class TextStream:
 
     The Generate is sent when iteration starts. A sample ended by a stop string gets its
     last output at once, and the gateway is told to stop it in the engine (the request,
-    or with n > 1 only that sample: Abort.samples). ``aclose()`` aborts the request.
+    or with n > 1 only that sample: AbortSamples). ``aclose()`` aborts the request.
     """
 
     def __init__(
