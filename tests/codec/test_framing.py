@@ -84,6 +84,8 @@ def test_a_map_instead_of_an_array_is_invalid():
         ([2, "r1", [1], True, {"logit_bias": {"7": 1.0}}], "Generate.sampling.logit_bias: "),
         ([2, "", [1]], "Generate.request_id"),
         ([3, [1, 2]], "Abort.request_ids[0]"),
+        ([25, "r1", ["0"]], "AbortSamples.samples[0]"),
+        ([25, "r1", list(range(1025))], "AbortSamples.samples"),
         ([1, "1"], "Hello.protocol_version"),
     ],
 )
@@ -91,6 +93,12 @@ def test_wrong_types_and_values_name_the_field(obj, where):
     err = decode_error([V1, payload(obj)])
     assert err.code is ErrorCode.INVALID_MESSAGE
     assert err.message.startswith(where), err.message
+
+
+def test_a_refused_abort_samples_keeps_its_call_id():
+    err = decode_error([V1, payload([25, "r1", list(range(2000)), 9])])
+    assert err.code is ErrorCode.INVALID_MESSAGE and err.call_id == 9
+    assert "length <= 1024" in err.message
 
 
 def test_a_wrong_map_key_is_named_as_a_key():
