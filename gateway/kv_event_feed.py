@@ -1,9 +1,18 @@
 """Reads vLLM's KV cache events off every data-parallel rank into a ``PrefixIndex``.
 
 The engines publish with ``--kv-events-config`` endpoints the gateway chose
-(``gateway.vllm.args.enable_kv_events``: ipc sockets in a private folder); each reports
-its own (``get_kv_event_sources``). This feed's one SUB socket connects to every rank's
-PUB socket, and a DEALER to a rank's replay ROUTER when a gap needs refilling. A rank's
+(``gateway.vllm.args.enable_kv_events``: ipc sockets in a private folder), or, for ranks
+on other hosts (headless), ones their own command line gave (``tcp://*:0`` with
+``VLLM_HOST_IP``: vLLM binds that one address on a free port); each rank reports its own
+(``get_kv_event_sources``). This feed's one SUB socket connects to every rank's PUB
+socket, and a DEALER to a rank's replay ROUTER when a gap needs refilling.
+
+The socket's monitor tells which ranks are connected: a rank is matched only while its
+connection stands (before it is made, and after it is lost, it routes by load, as an
+unsynced rank). A rank still unconnected ``connect_grace_s`` after the start is logged
+once, with the likely cause: an endpoint without ``*`` makes vLLM's publisher *connect*
+rather than bind (to the port plus its DP rank), so both ends connect and nothing flows. A
+wildcard endpoint (``tcp://*:5557``) names no host to connect to and is refused by rank. A
 publisher that disconnects (its engine died or restarts) resets that rank at once: its
 cache is gone, and a restarted publisher's sequence may pass the old one's before the
 feed hears it, which would otherwise read as a gap.
@@ -39,6 +48,20 @@ _END_SEQ = -1
 _YIELD_EVERY = 32  # batches handled back to back before other tasks get the loop
 
 
+def unreachable_endpoint_problem(address: str) -> str | None:
+    """Why a publisher's reported endpoint cannot be connected to, or None. vLLM reports
+    a wildcard endpoint (``tcp://*:5557``) as given: it names no host to reach."""
+    if not address.startswith(("ipc://", "tcp://", "inproc://")):
+        return f"its endpoint {address!r} is not ipc:// or tcp://"
+    if "*" in address or "0.0.0.0" in address or "[::]" in address:
+        return (
+            f"its publisher binds {address}, a wildcard that names no host to connect to"
+            " (give the rank tcp://*:0 with VLLM_HOST_IP set: vLLM then binds that"
+            " address alone and reports it)"
+        )
+    return None
+
+
 class KvEventFeed:
     """One SUB socket for every rank's events; a replay request per gap."""
 
@@ -50,6 +73,7 @@ class KvEventFeed:
         *,
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
+        connect_grace_s: float = 5.0,
     ):
         self.index = index
         self._replay_addresses = replay_addresses
@@ -59,14 +83,22 @@ class KvEventFeed:
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, 0)  # no drops here: lost batches are gaps
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for address in publishers:
+        # Watched before connecting: a connection made at once (ipc) is not missed.
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._ranks_by_endpoint: dict[bytes, int] = {}
+        self._publishers = publishers
+        for rank, address in enumerate(publishers):
+            index.ranks[rank].connected = False  # until its connection is made
+            problem = unreachable_endpoint_problem(address)
+            if problem is not None:
+                logger.error("KV events of rank %d: %s: it routes by load", rank, problem)
+                continue
             self.sub.connect(address)
-        self._ranks_by_endpoint = {
-            address.encode(): rank for rank, address in enumerate(publishers)
-        }
-        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._ranks_by_endpoint[address.encode()] = rank
+        self._connect_grace_s = connect_grace_s
         self._task: asyncio.Task | None = None
         self._monitor_task: asyncio.Task | None = None
+        self._grace_task: asyncio.Task | None = None
         self.batches = 0
         self.malformed = 0
         self.replayed = 0
@@ -74,10 +106,11 @@ class KvEventFeed:
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
-        self._monitor_task = asyncio.ensure_future(self._watch_disconnects())
+        self._monitor_task = asyncio.ensure_future(self._watch_connections())
+        self._grace_task = asyncio.ensure_future(self._report_unconnected())
 
     async def aclose(self) -> None:
-        for task in (self._task, self._monitor_task):
+        for task in (self._task, self._monitor_task, self._grace_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -86,15 +119,45 @@ class KvEventFeed:
         self._monitor.close(linger=0)
         self.sub.close(linger=0)
 
-    async def _watch_disconnects(self) -> None:
+    async def _watch_connections(self) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             rank = self._ranks_by_endpoint.get(event.get("endpoint", b""))
-            if rank is not None and event["event"] == zmq.EVENT_DISCONNECTED:
-                logger.warning("KV events of rank %d: its publisher went away: index reset", rank)
+            if rank is None:
+                continue
+            index = self.index.ranks[rank]
+            if event["event"] == zmq.EVENT_CONNECTED:
+                if index.disconnects:
+                    logger.warning("KV events of rank %d: reconnected", rank)
+                index.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.warning(
+                    "KV events of rank %d: its publisher went away: index reset; the rank"
+                    " routes by load until it reconnects",
+                    rank,
+                )
+                index.connected = False
+                index.disconnects += 1
                 self.index.reset(rank, restarted=True)
+
+    async def _report_unconnected(self) -> None:
+        """Once, ``connect_grace_s`` after the start: each rank not yet connected."""
+        await asyncio.sleep(self._connect_grace_s)
+        for rank, index in enumerate(self.index.ranks):
+            if not index.connected and not index.disconnects:
+                address = self._publishers[rank]
+                if unreachable_endpoint_problem(address) is None:
+                    logger.warning(
+                        "KV events of rank %d: not connected to its publisher at %s after"
+                        " %.0f s; the rank routes by load until it is (a publisher whose"
+                        " tcp endpoint has no '*' connects rather than binds: give remote"
+                        " ranks tcp://*:0, docs/DEPLOYMENT.md)",
+                        rank,
+                        address,
+                        self._connect_grace_s,
+                    )
 
     async def _run(self) -> None:
         # Every engine step of every rank publishes a batch: at the ceiling, thousands a

@@ -189,10 +189,14 @@ def _routing_families(p: str, r: dict) -> Iterator:
     per_rank = (
         (GaugeMetricFamily, "prefix_index_blocks", "Block hashes the index holds", "index_blocks"),
         (GaugeMetricFamily, "prefix_index_synced", "1: the index saw every event", "synced"),
+        (GaugeMetricFamily, "kv_event_feed_connected", "1: connected to the rank's publisher",
+         "feed_connected"),
+        (CounterMetricFamily, "kv_event_feed_disconnects", "Connections to a publisher lost",
+         "feed_disconnects"),
         (CounterMetricFamily, "kv_event_gaps", "Sequence gaps in KV events", "gaps"),
         (CounterMetricFamily, "kv_event_restarts", "KV event streams restarted", "restarts"),
         (CounterMetricFamily, "prefix_index_resets", "Index cleared: gap not refilled", "resets"),
-    )
+    )  # fmt: skip
     for kind, name, text, key in per_rank:
         family = kind(p + name, text, labels=["rank"])
         for rank, value in enumerate(r[key]):

@@ -52,6 +52,11 @@ class RankIndex:
     # None after a reset (the next batch, whatever its number, starts over).
     last_seq: int | None = -1
     synced: bool = True  # every batch since the start or the last reset applied
+    # The feed's SUB socket is connected to the rank's publisher (the feed sets it; an
+    # index without a feed, as in unit tests, counts as connected). Not connected: the
+    # rank's blocks are unknown, and it is matched as an unsynced rank (routing by load).
+    connected: bool = True
+    disconnects: int = 0  # the feed's connection to the publisher was lost
     # The gateway reset the rank's prefix cache (clear_all) and the rank's own
     # AllBlocksCleared has not come yet: blocks stored in batches still on their way from
     # before the reset are gone, and are not taken in.
@@ -180,11 +185,13 @@ class PrefixIndex:
         self, hashes: Iterable[BlockHash], max_blocks: int | None = None
     ) -> list[int | None]:
         """Per rank: how many of ``hashes`` (a prompt's chained block hashes, in order)
-        it holds as a prefix, or None where the rank is unsynced (do not route on it).
+        it holds as a prefix, or None where the rank is unsynced or its feed is not
+        connected (do not route on it).
         Takes no hash past the first that no synced rank holds, nor past ``max_blocks``
         (a lazy ``hashes`` is computed only that far)."""
-        out: list[int | None] = [0 if index.synced else None for index in self.ranks]
-        holding = [(rank, index.blocks) for rank, index in enumerate(self.ranks) if index.synced]
+        usable = [index.synced and index.connected for index in self.ranks]
+        out: list[int | None] = [0 if ok else None for ok in usable]
+        holding = [(rank, index.blocks) for rank, index in enumerate(self.ranks) if usable[rank]]
         if not holding or max_blocks == 0:
             return out
         for taken, h in enumerate(hashes, 1):

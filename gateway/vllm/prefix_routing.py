@@ -64,9 +64,19 @@ class PrefixRouting:
         ranks = self._vllm_config.parallel_config.data_parallel_size
         self.router = Router(ranks, config)
         sources = self._client.get_kv_event_sources()
-        if len(sources) != ranks or not all(s.enable_kv_cache_events for s in sources.values()):
+        silent = [
+            rank
+            for rank in range(ranks)
+            if rank not in sources or not sources[rank].enable_kv_cache_events
+        ]
+        if silent:
             if config.policy == "cache":
-                raise ValueError("--routing cache needs the engines' KV events (enable_kv_events)")
+                raise ValueError(
+                    f"--routing cache needs every rank's KV events; rank(s) {silent} publish"
+                    " none (a headless rank on another host needs --kv-events-config with"
+                    ' "endpoint": "tcp://*:0" and "replay_endpoint": "tcp://*:0", and'
+                    " VLLM_HOST_IP set to its private address: docs/DEPLOYMENT.md)"
+                )
             return
         publishers = [sources[rank].endpoint for rank in range(ranks)]
         replays = [sources[rank].replay_endpoint for rank in range(ranks)]
@@ -213,6 +223,8 @@ class PrefixRouting:
             "decisions": dict(router.decisions),
             "index_blocks": [len(rank.blocks) for rank in ranks],
             "synced": [rank.synced for rank in ranks],
+            "feed_connected": [rank.connected for rank in ranks],
+            "feed_disconnects": [rank.disconnects for rank in ranks],
             "gaps": [rank.gaps for rank in ranks],
             "restarts": [rank.restarts for rank in ranks],
             "resets": [rank.resets for rank in ranks],

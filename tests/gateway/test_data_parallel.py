@@ -297,12 +297,23 @@ def free_tcp_port() -> int:
         return sock.getsockname()[1]
 
 
+# What DEPLOYMENT.md gives a headless rank for --routing cache: vLLM binds the one address
+# VLLM_HOST_IP names, on free ports, and reports them to the head in its handshake.
+REMOTE_KV_EVENTS = (
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0",'
+    ' "replay_endpoint": "tcp://*:0", "topic": "kv"}'
+)
+
+
 async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head(
     gateway_process, greedy_reference, tmp_path
 ):
     """Multi-node DP as two "nodes" on one machine: rank 1 is `vllm serve --headless` (vLLM's
     own CLI); the gateway is the head with rank 0 (--data-parallel-size-local 1). No
-    --data-parallel-start-rank on the head (it would switch on hybrid load balancing)."""
+    --data-parallel-start-rank on the head (it would switch on hybrid load balancing).
+    The head routes by cache: rank 0's KV events come over ipc, the remote rank's over tcp
+    on the address its VLLM_HOST_IP names; a prefix cached on either rank draws its
+    extension there, with the hit vLLM then reports."""
     from tests.processes import Process
 
     rpc_port = free_tcp_port()
@@ -335,12 +346,24 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
             str(TEST_MAX_MODEL_LEN),
             "--seed",
             "0",
+            "--kv-events-config",
+            REMOTE_KV_EVENTS,
         ],
         tmp_path / "headless.log",
-        env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_HOST_IP": "127.0.0.1"},
     )
+    metrics_port = free_tcp_port()
     try:
-        head = gateway_process(*dp, "--seed", "0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+        head = gateway_process(
+            *dp,
+            "--seed",
+            "0",
+            "--routing",
+            "cache",
+            "--metrics-port",
+            str(metrics_port),
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        )
         async with AsyncClient(head.address, name="head", connect_timeout_s=240) as client:
             assert len(await asyncio.to_thread(head.engine_core_pids)) == 1  # rank 0 only
             headless_pids = await asyncio.to_thread(headless.engine_core_pids)
@@ -354,6 +377,10 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
                     )
                     result = await client.complete(prompt, sampling, options=pinned(rank))
                     assert result.token_ids == expected, (rank, headless.output()[-2000:])
+            await routed_by_cache_on_each_rank(client)
+            scraped = await asyncio.to_thread(scrape_metrics, metrics_port)
+            assert 'kv_event_feed_connected{rank="1"} 1.0' in scraped, scraped
+            assert 'routing_decisions_total{reason="matched"} 2.0' in scraped, scraped
             # The remote rank streams, is seen in the load, and takes aborts.
             stream = client.generate([11], LONG, options=pinned(1))
             await anext(stream)
@@ -363,6 +390,30 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
             await stream.aclose()
     finally:
         headless.stop()
+
+
+async def routed_by_cache_on_each_rank(client: AsyncClient) -> None:
+    """For each rank: a prompt pinned there, seen in the gateway's index of that rank's
+    events (PrefixQuery), then its extension sent unpinned goes there by cache, and vLLM
+    reports the hit the index predicted."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for rank in (0, 1):
+        prefix = [(rank * 97 + i * 31) % 500 + 4 for i in range(300)]
+        await client.complete(prefix, greedy, options=pinned(rank))
+        extended = prefix + [9] * 100
+        async with asyncio.timeout(20):
+            while not (matched := (await client.prefix_query(extended)).matched_tokens)[rank]:
+                await asyncio.sleep(0.05)
+        assert None not in matched and matched[1 - rank] == 0, matched  # both feeds usable
+        done = await client.complete(extended, greedy)
+        assert done.cached_tokens == matched[rank] > 0, (rank, matched, done.cached_tokens)
+
+
+def scrape_metrics(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
 
 
 async def test_a_weight_update_reaches_every_rank(client):

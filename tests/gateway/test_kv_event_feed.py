@@ -1,10 +1,12 @@
-"""The KV event feed against vLLM's own publisher (ZmqEventPublisher, ipc, with its replay
-socket): batches in order, a gap refilled from the replay buffer, one the buffer no longer
-holds, and a restarted publisher."""
+"""The KV event feed against vLLM's own publisher (ZmqEventPublisher, ipc and tcp, with its
+replay socket): batches in order, a gap refilled from the replay buffer, one the buffer no
+longer holds, a restarted publisher, and which ranks are connected (a remote rank's tcp
+publisher, one that connects instead of binding, a wildcard endpoint)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -114,12 +116,15 @@ async def test_a_restarted_publisher_resets_the_rank(endpoints):
         await asyncio.sleep(0.2)
         await until(lambda: index.ranks[0].restarts == 1)  # its publisher went away
         assert not index.ranks[0].blocks  # the engine's cache went with it
+        assert not index.ranks[0].connected and index.ranks[0].disconnects == 1
+        assert index.matched_blocks([150]) == [None]  # routes by load until it is back
         pub = publisher(endpoints)  # the engine came back: its sequence starts at 0
         async with asyncio.timeout(10):
             while 300 not in index.ranks[0].blocks:
                 publish(pub, 300)
                 await asyncio.sleep(0.05)
         assert 150 not in index.ranks[0].blocks and index.ranks[0].synced
+        assert index.ranks[0].connected and index.matched_blocks([300]) == [1]
     finally:
         await feed.aclose()
         pub.shutdown()
@@ -197,3 +202,78 @@ async def test_a_replay_with_a_hole_in_the_middle_resets_the_rank(endpoints):
         await feed.aclose()
         pub.close(0)
         replay.close(0)
+
+
+async def test_a_remote_ranks_tcp_publisher_on_its_own_address_feeds_and_replays(monkeypatch):
+    """A headless rank's publisher as DEPLOYMENT.md gives it (``tcp://*:0`` with
+    VLLM_HOST_IP): vLLM binds that one address on a free port and reports it; the feed
+    connects there, takes its batches and refills a gap from its tcp replay socket."""
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    pub = publisher(("tcp://*:0", "tcp://*:0"))
+    try:
+        config = pub.get_publisher_config()
+        assert config.endpoint.startswith("tcp://127.0.0.1:")  # one address, not all
+        assert config.replay_endpoint.startswith("tcp://127.0.0.1:")
+        for block in (100, 101):  # before the feed: lost on the PUB socket, then replayed
+            publish(pub, block)
+        await asyncio.sleep(0.2)
+        index = PrefixIndex(1)
+        feed = await connected_feed(index, (config.endpoint, config.replay_endpoint), pub, 200)
+        try:
+            await until(lambda: feed.replayed >= 2)
+            assert index.ranks[0].connected and index.matched_blocks([101]) == [1]
+        finally:
+            await feed.aclose()
+    finally:
+        pub.shutdown()
+
+
+async def test_a_publisher_that_connects_leaves_its_rank_unconnected_and_says_why(caplog):
+    """An endpoint without ``*`` makes vLLM's publisher connect (to the port plus its DP
+    rank) instead of binding: feed and publisher both connect and nothing flows, which is
+    what a first attempt at remote ranks met. The rank is not matched (it routes by load),
+    and the feed says so once, naming the endpoint and the fix."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    pub = publisher((endpoint, None))
+    index = PrefixIndex(2)
+    feed = KvEventFeed(index, ["ipc:///nonexistent/never", endpoint], [None, None],
+                       connect_grace_s=0.3)  # fmt: skip
+    feed.start()
+    try:
+        for block in range(10):
+            publish(pub, block)
+            await asyncio.sleep(0.05)
+        assert feed.batches == 0 and not index.ranks[1].connected
+        assert index.matched_blocks([1]) == [None, None]
+        warnings = [r.getMessage() for r in caplog.records if "not connected" in r.getMessage()]
+        assert len(warnings) == 2 and endpoint in warnings[1] and "tcp://*:0" in warnings[1]
+    finally:
+        await feed.aclose()
+        pub.shutdown()
+
+
+async def test_a_wildcard_endpoint_is_refused_by_rank_and_the_other_rank_feeds(endpoints, caplog):
+    """``tcp://*:5557`` as a rank reports it names no host: that rank is logged and left
+    unconnected (routing by load), and the feed serves the other rank."""
+    pub = publisher(endpoints)
+    index = PrefixIndex(2)
+    feed = KvEventFeed(index, [endpoints[0], "tcp://*:5558"], [endpoints[1], None])
+    feed.start()
+    try:
+        block = 100
+        async with asyncio.timeout(10):
+            while feed.batches == 0:
+                publish(pub, block)
+                block += 1
+                await asyncio.sleep(0.05)
+        await until(lambda: index.ranks[0].connected)
+        assert not index.ranks[1].connected
+        assert index.matched_blocks([100, 101])[1] is None
+        (error,) = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert "rank 1" in error.getMessage() and "tcp://*:5558" in error.getMessage()
+    finally:
+        await feed.aclose()
+        pub.shutdown()

@@ -137,3 +137,21 @@ def test_a_prompt_cached_to_the_hashing_cap_counts_as_a_whole_hit():
     # 100 blocks, the first 4 (the cap) on rank 0; rank 0 busier by 6 (< prefix_weight 16).
     decision = router.choose([4, 0], [6.0, 0.0], 100 * BLOCK, BLOCK)
     assert (decision.rank, decision.reason) == (0, "matched")
+
+
+def test_cache_routing_refuses_to_start_naming_each_rank_that_publishes_no_kv_events():
+    """A headless rank started without --kv-events-config reports no publisher: the start
+    stops with a message naming that rank and the setting it lacks (DEPLOYMENT.md)."""
+    from types import SimpleNamespace
+
+    from gateway.vllm.prefix_routing import PrefixRouting
+
+    events_on = SimpleNamespace(enable_kv_cache_events=True)
+    routing = PrefixRouting()
+    routing._vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=3))
+    routing._client = SimpleNamespace(get_kv_event_sources=lambda: {0: events_on})
+    routing._init_routing()
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1, 2\] publish none.*tcp://\*:0"):
+        routing._start_routing(RoutingConfig("cache"))
+    routing._start_routing(RoutingConfig("load"))  # vLLM's balancer needs no events
+    assert routing.kv_feed is None
