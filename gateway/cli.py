@@ -393,12 +393,6 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     check_model(args.model)
     if args.lora_module and not args.enable_lora:
         raise UsageError("--lora-module", "needs --enable-lora (vLLM's flag for LoRA adapters)")
-    if args.routing == "cache" and args.gateway_count > 1:
-        raise UsageError(
-            "--routing",
-            "cache needs one gateway (--gateway-count 1): the engines' KV events"
-            " have one subscriber",
-        )
     try:
         engine_args = engine_args_from_namespace(args)
         if args.routing == "cache":

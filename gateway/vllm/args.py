@@ -122,6 +122,20 @@ def enable_kv_events(engine_args: Any) -> None:
     )
 
 
+def remove_kv_events_folder(vllm_config: Any) -> None:
+    """Remove the private folder ``enable_kv_events`` made for ``vllm_config``'s engines
+    (their ipc sockets), if it made one; other endpoints are left alone."""
+    import shutil
+    from pathlib import Path
+
+    config = getattr(vllm_config, "kv_events_config", None)
+    endpoint = getattr(config, "endpoint", None) or ""
+    if endpoint.startswith("ipc://"):
+        folder = Path(endpoint.removeprefix("ipc://")).parent
+        if folder.name.startswith(KV_EVENTS_FOLDER_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def ipc_endpoint_for_rank(endpoint: str | None, rank: int) -> str | None:
     """Rank ``rank``'s copy of an ipc endpoint (the plugin's offset; vLLM offsets tcp ports)."""
     if endpoint is None or rank == 0:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import shutil
-from pathlib import Path
 from typing import Any
 
 from ..kv_event_feed import KvEventFeed
 from ..prefix_index import PrefixIndex
 from ..routing import Decision, Router, RoutingConfig, reusable_blocks
-from .args import KV_EVENTS_FOLDER_PREFIX
+from .args import remove_kv_events_folder
 from .prefix_hashes import PrefixHasher
 
 logger = logging.getLogger(__name__)
@@ -95,11 +93,7 @@ class PrefixRouting:
     async def _stop_routing(self) -> None:
         if self.kv_feed is not None:
             await self.kv_feed.aclose()
-        config = self._vllm_config.kv_events_config
-        if config is not None and config.endpoint.startswith("ipc://"):
-            folder = Path(config.endpoint.removeprefix("ipc://")).parent
-            if folder.name.startswith(KV_EVENTS_FOLDER_PREFIX):
-                shutil.rmtree(folder, ignore_errors=True)
+        remove_kv_events_folder(self._vllm_config)  # (a group's supervisor removes its own)
 
     # ------------------------------------------------------------ placing requests
 

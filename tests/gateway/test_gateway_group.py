@@ -153,18 +153,27 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
     assert code == EXIT_ENGINE_DEAD, supervisor.output()[-3000:]
 
 
-async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, tmp_path):
-    """The supervisor of two gateways on two data-parallel engines is SIGKILLed: the
-    engines and vLLM's DP coordinator stop by themselves (the engine-gateway vLLM plugin),
-    each gateway ends its live requests and exits 3, as if the supervisor had seen the
-    engines die. Before, all of them lived on, orphaned."""
-    supervisor = doomed_dp_gateway(gateway_process, tmp_path, "--gateway-count", "2")
+async def test_two_gateways_route_by_cache_then_a_sigkilled_supervisor_leaves_nothing(
+    gateway_process, tmp_path
+):
+    """Two gateways on two data-parallel engines with ``--routing cache``: each keeps its
+    own index of both ranks' KV events, the same one (a prefix sent through either gateway
+    is seen by both), so their choices agree: an extension sent through the other gateway,
+    or through ``GatewayPool(policy="cache")``, goes to the rank holding the prefix and
+    vLLM reports the hit predicted. Then the supervisor is SIGKILLed: the engines and
+    vLLM's DP coordinator stop by themselves (the engine-gateway vLLM plugin), each gateway
+    ends its live requests and exits 3, as if the supervisor had seen the engines die.
+    Before, all of them lived on, orphaned."""
+    supervisor = doomed_dp_gateway(
+        gateway_process, tmp_path, "--gateway-count", "2", "--routing", "cache"
+    )
     base = supervisor.address.removesuffix(".sock")
     addresses = [f"{base}-0.sock", f"{base}-1.sock"]
-    async with GatewayPool(addresses, reconnect_timeout_s=1, **PATIENT) as pool:
+    async with GatewayPool(addresses, policy="cache", reconnect_timeout_s=1, **PATIENT) as pool:
         async with asyncio.timeout(120):
             while len(pool.connected) < 2:
                 await asyncio.sleep(0.05)
+        await both_gateways_route_by_the_same_cache(pool)
         streams = [pool.generate([3 + i], UNENDING) for i in range(4)]
         for stream in streams:
             await anext(stream)
@@ -210,6 +219,33 @@ async def test_a_sigkilled_supervisor_leaves_no_process_behind(gateway_process, 
     # logs nothing, but none did here) and both gateways, which know of nothing else.
     assert log.count("is gone: stopping (SIGTERM") >= 1, log[-3000:]
     assert log.count("is gone: stopping (SIGUSR1") == 2, log[-3000:]
+
+
+async def both_gateways_route_by_the_same_cache(pool: GatewayPool) -> None:
+    """Prefixes sent through one gateway; their extensions through the other, then through
+    the pool: each lands where the prefix is cached, with the hit both indexes predicted."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first, second = pool.clients
+    holders = set()
+    for turn in range(4):
+        prefix = [(turn * 53 + i * 29) % 500 + 4 for i in range(300)]
+        await (first if turn % 2 == 0 else second).complete(prefix, greedy)
+        extended = prefix + [9] * 100
+        async with asyncio.timeout(20):
+            while True:
+                seen = [(await c.prefix_query(extended)).matched_tokens for c in pool.clients]
+                if seen[0] == seen[1] and any(seen[0]):
+                    break
+                await asyncio.sleep(0.05)
+        matched = seen[0]
+        (rank,) = [r for r, tokens in enumerate(matched) if tokens]
+        holders.add(rank)
+        other = second if turn % 2 == 0 else first
+        done = await other.complete(extended, greedy)
+        assert done.cached_tokens == matched[rank], (turn, matched, done.cached_tokens)
+        longer = extended + [10] * 40
+        assert (await pool.complete(longer, greedy)).cached_tokens >= matched[rank]
+    assert holders == {0, 1}  # fresh prefixes went by load: both ranks served
 
 
 async def ending(stream) -> FinishReason | RequestFailed | SessionLost | None:

@@ -155,3 +155,26 @@ def test_cache_routing_refuses_to_start_naming_each_rank_that_publishes_no_kv_ev
         routing._start_routing(RoutingConfig("cache"))
     routing._start_routing(RoutingConfig("load"))  # vLLM's balancer needs no events
     assert routing.kv_feed is None
+
+
+def test_the_kv_events_folder_is_removed_only_when_enable_kv_events_made_it(tmp_path):
+    """The supervisor of a gateway group (and a single gateway) removes the private folder
+    of its engines' ipc event sockets at exit, and never a folder it did not make."""
+    from types import SimpleNamespace
+
+    from gateway.vllm.args import KV_EVENTS_FOLDER_PREFIX, remove_kv_events_folder
+
+    ours, theirs = tmp_path / f"{KV_EVENTS_FOLDER_PREFIX}x", tmp_path / "elsewhere"
+    for folder in (ours, theirs):
+        folder.mkdir()
+        (folder / "kv").touch()
+
+    def config(endpoint):
+        return SimpleNamespace(kv_events_config=SimpleNamespace(endpoint=endpoint))
+
+    remove_kv_events_folder(config(f"ipc://{theirs}/kv"))
+    remove_kv_events_folder(config("tcp://*:0"))
+    remove_kv_events_folder(SimpleNamespace(kv_events_config=None))
+    assert theirs.exists() and ours.exists()
+    remove_kv_events_folder(config(f"ipc://{ours}/kv"))
+    assert not ours.exists() and theirs.exists()
