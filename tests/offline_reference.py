@@ -2,8 +2,9 @@
 
 A call with ``keep=True`` leaves its reference process running for the rest of the test
 session, for later calls of the same engine shape (model, max_model_len, tokenizer or not,
-LoRA or not, more ``LLM`` arguments): each vLLM start costs 30-40 s on the 2-core VM, and
-an idle vLLM process a few per cent of a core, so only shapes several tests use are kept
+LoRA or not, more ``LLM`` arguments): each start costs about 20 s on the 2-core VM (an
+``LLM`` in a process of its own: 40-60 s), and an idle one holds a model and its KV cache,
+so only shapes several tests use are kept
 (the tiny model, its second weight set, with and without LoRA). At most ``_LIVE`` run at
 once (least recently used stopped first); all stop when the session ends.
 
