@@ -192,7 +192,8 @@ class KvEventFeed:
             self.malformed += 1
             return
         self.batches += 1
-        self.lag_s = max(0.0, time.time() - batch.ts)
+        self.lag_s = lag = max(0.0, time.time() - batch.ts)
+        self.index.ranks[rank].lag_s = lag
         index = self.index
         where = index.check_sequence(rank, seq)
         if where == "restart":

@@ -193,6 +193,8 @@ def _routing_families(p: str, r: dict) -> Iterator:
          "feed_connected"),
         (CounterMetricFamily, "kv_event_feed_disconnects", "Connections to a publisher lost",
          "feed_disconnects"),
+        (GaugeMetricFamily, "kv_event_rank_lag_seconds",
+         "Receipt minus the engine's stamp, the rank's last batch", "feed_lag_s"),
         (CounterMetricFamily, "kv_event_gaps", "Sequence gaps in KV events", "gaps"),
         (CounterMetricFamily, "kv_event_restarts", "KV event streams restarted", "restarts"),
         (CounterMetricFamily, "prefix_index_resets", "Index cleared: gap not refilled", "resets"),

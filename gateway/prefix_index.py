@@ -67,6 +67,7 @@ class RankIndex:
     restarts: int = 0  # sequence went back (a new publisher: the engine restarted)
     resets: int = 0  # cleared because a gap could not be refilled
     last_event_ts: float | None = None  # the engine's wall clock at its last batch
+    lag_s: float = 0.0  # the feed's clock at receipt minus that stamp (the rank's feed lag)
     verified: bool | None = None  # a root block's hash checked against ours: None = not yet
     root_blocks_seen: list = dataclasses.field(default_factory=list)  # (hash, tokens, keys)
 

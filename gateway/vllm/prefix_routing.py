@@ -219,6 +219,7 @@ class PrefixRouting:
             "synced": [rank.synced for rank in ranks],
             "feed_connected": [rank.connected for rank in ranks],
             "feed_disconnects": [rank.disconnects for rank in ranks],
+            "feed_lag_s": [rank.lag_s for rank in ranks],
             "gaps": [rank.gaps for rank in ranks],
             "restarts": [rank.restarts for rank in ranks],
             "resets": [rank.resets for rank in ranks],

@@ -380,6 +380,7 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
             await routed_by_cache_on_each_rank(client)
             scraped = await asyncio.to_thread(scrape_metrics, metrics_port)
             assert 'kv_event_feed_connected{rank="1"} 1.0' in scraped, scraped
+            assert 'kv_event_rank_lag_seconds{rank="1"}' in scraped, scraped
             assert 'routing_decisions_total{reason="matched"} 2.0' in scraped, scraped
             # The remote rank streams, is seen in the load, and takes aborts.
             stream = client.generate([11], LONG, options=pinned(1))

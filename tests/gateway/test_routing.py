@@ -178,3 +178,30 @@ def test_the_kv_events_folder_is_removed_only_when_enable_kv_events_made_it(tmp_
     assert theirs.exists() and ours.exists()
     remove_kv_events_folder(config(f"ipc://{ours}/kv"))
     assert not ours.exists() and theirs.exists()
+
+
+def test_routing_metrics_give_each_ranks_feed_connection_and_lag():
+    """The /metrics families of --routing cache, from the engine's own snapshot: per rank
+    the feed's connection, its lost connections and its lag, beside the index's size."""
+    from types import SimpleNamespace
+
+    from gateway.metrics import _routing_families
+    from gateway.prefix_index import PrefixIndex
+    from gateway.vllm.prefix_routing import PrefixRouting
+
+    routing = PrefixRouting()
+    routing._init_routing()
+    routing.router = cache_router()
+    routing.prefix_index = index = PrefixIndex(2)
+    index.ranks[1].connected, index.ranks[1].disconnects, index.ranks[0].lag_s = False, 2, 0.25
+    routing._hash_check = None
+    routing._vllm_config = SimpleNamespace()
+    samples = {
+        (sample.name, sample.labels.get("rank")): sample.value
+        for family in _routing_families("eg_", routing.routing_stats())
+        for sample in family.samples
+    }
+    assert samples[("eg_kv_event_feed_connected", "0")] == 1.0
+    assert samples[("eg_kv_event_feed_connected", "1")] == 0.0
+    assert samples[("eg_kv_event_feed_disconnects_total", "1")] == 2.0
+    assert samples[("eg_kv_event_rank_lag_seconds", "0")] == 0.25
