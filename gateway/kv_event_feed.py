@@ -17,10 +17,15 @@ publisher that disconnects (its engine died or restarts) resets that rank at onc
 cache is gone, and a restarted publisher's sequence may pass the old one's before the
 feed hears it, which would otherwise read as a gap.
 
+The feed takes batches without a wake-up per batch: ``drain`` applies whatever is waiting,
+called before each routing decision and PrefixQuery (so they read a current index) and by a
+task every ``drain_interval_s`` (20 ms) in between.
+
 Each frame is ``[topic, 8-byte big-endian sequence, msgpack EventBatch]``. A sequence
 jump is refilled from the rank's replay socket (send the first missing sequence; batches
 come back, then an end marker of sequence -1); while it refills, the rank is unsynced and
-routing on it falls back to load. If the replay buffer no longer holds the missing
+routing on it falls back to load, its later batches are held until the refill ends, and
+the other ranks' batches go on being applied. If the replay buffer no longer holds the missing
 batches, or the replay does not answer within ``replay_timeout_s``, the rank is reset
 (cleared, synced again from the next batch). A sequence that goes back is a restarted
 publisher: the rank is reset. A malformed batch counts as a gap.
@@ -37,7 +42,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .loop_watched_socket import LoopWatchedSocket
 from .prefix_index import EventBatch, PrefixIndex, decode_batch
 
 __all__ = ["KvEventFeed"]
@@ -45,7 +49,8 @@ __all__ = ["KvEventFeed"]
 logger = logging.getLogger(__name__)
 
 _END_SEQ = -1
-_YIELD_EVERY = 32  # batches handled back to back before other tasks get the loop
+_DRAIN_CHUNK = 64  # batches a periodic drain takes before other tasks get the loop
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def unreachable_endpoint_problem(address: str) -> str | None:
@@ -74,6 +79,7 @@ class KvEventFeed:
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
         connect_grace_s: float = 5.0,
+        drain_interval_s: float = 0.02,
     ):
         self.index = index
         self._replay_addresses = replay_addresses
@@ -96,6 +102,10 @@ class KvEventFeed:
             self.sub.connect(address)
             self._ranks_by_endpoint[address.encode()] = rank
         self._connect_grace_s = connect_grace_s
+        self._plain = zmq.Socket.shadow(self.sub.underlying)  # NOBLOCK receives, no asyncio
+        self._drain_interval_s = drain_interval_s
+        self._held: dict[int, list[tuple[int, EventBatch]]] = {}  # rank -> during its refill
+        self._refills: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._monitor_task: asyncio.Task | None = None
         self._grace_task: asyncio.Task | None = None
@@ -105,12 +115,12 @@ class KvEventFeed:
         self.lag_s = 0.0  # wall clock now minus the engine's stamp of the last batch
 
     def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
+        self._task = asyncio.ensure_future(self._drain_periodically())
         self._monitor_task = asyncio.ensure_future(self._watch_connections())
         self._grace_task = asyncio.ensure_future(self._report_unconnected())
 
     async def aclose(self) -> None:
-        for task in (self._task, self._monitor_task, self._grace_task):
+        for task in (self._task, self._monitor_task, self._grace_task, *self._refills):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -159,24 +169,34 @@ class KvEventFeed:
                         self._connect_grace_s,
                     )
 
-    async def _run(self) -> None:
-        # Every engine step of every rank publishes a batch: at the ceiling, thousands a
-        # second. Receive them on the loop's watch of the socket's descriptor, a waiting
-        # backlog without a loop pass per frame (pyzmq's asyncio receive costs ~100 µs a
-        # frame: bench/probes/recv_cost.py), letting the loop run every _YIELD_EVERY.
-        sub = LoopWatchedSocket.adopt(self.sub, yield_when_waiting=False)
-        handled = 0
-        while True:
-            frames = await sub.recv_multipart()
+    def drain(self, limit: int | None = None) -> int:
+        """Apply the batches waiting on the socket now, without waiting (at most ``limit``);
+        returns how many frames it took. The router calls it before each decision (and
+        PrefixQuery before each answer), so the index it reads is current, and a
+        background task calls it every ``drain_interval_s``: no loop wake-up per batch."""
+        plain = self._plain
+        taken = 0
+        while (limit is None or taken < limit) and plain.getsockopt(_EVENTS) & _POLLIN:
+            frames = plain.recv_multipart(_NOBLOCK)
+            taken += 1
             try:
-                await self._on_frames(frames)
+                self._on_frames(frames)
             except Exception:  # never let the feed die: the index goes unsynced instead
                 logger.exception("a KV event batch could not be applied")
-            handled += 1
-            if handled % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+        return taken
 
-    async def _on_frames(self, frames: list[bytes]) -> None:
+    async def _drain_periodically(self) -> None:
+        # Every engine step of every rank publishes a batch: at the ceiling, a thousand a
+        # second on two ranks. Woken per batch (the loop's watch of the socket), the feed
+        # cost ~190 µs of CPU a batch on the 2-core VM, nearly all of it the wake-up
+        # (bench/probes/kv_feed_cost.py); drained on a timer and before each decision, the
+        # batches waiting are taken together.
+        while True:
+            await asyncio.sleep(self._drain_interval_s)
+            while self.drain(_DRAIN_CHUNK) == _DRAIN_CHUNK:
+                await asyncio.sleep(0)  # a backlog: let the loop run between chunks
+
+    def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
             self.malformed += 1
             return
@@ -194,6 +214,13 @@ class KvEventFeed:
         self.batches += 1
         self.lag_s = lag = max(0.0, time.time() - batch.ts)
         self.index.ranks[rank].lag_s = lag
+        held = self._held.get(rank)
+        if held is not None:  # its gap is being refilled: kept, in order, until then
+            held.append((seq, batch))
+            return
+        self._apply(rank, seq, batch)
+
+    def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
         index = self.index
         where = index.check_sequence(rank, seq)
         if where == "restart":
@@ -201,12 +228,27 @@ class KvEventFeed:
             index.reset(rank, restarted=True)
         elif where == "gap":
             index.note_gap(rank)
-            await self._refill(rank, seq)
-            if index.check_sequence(rank, seq) != "next":
-                return  # the refill reset the rank... and then the batch is old, or not
+            self._held[rank] = [(seq, batch)]  # applied after the refill
+            task = asyncio.ensure_future(self._refill_then_apply_held(rank, seq))
+            self._refills.add(task)
+            task.add_done_callback(self._refills.discard)
+            return
         elif where == "old":
             return
         index.apply(rank, seq, batch)
+
+    async def _refill_then_apply_held(self, rank: int, upto: int) -> None:
+        """Refill ``rank``'s gap below ``upto``, then apply the batches held meanwhile (the
+        other ranks' batches go on being applied)."""
+        try:
+            await self._refill(rank, upto)
+        finally:
+            held = self._held.pop(rank, [])
+            for i, (seq, batch) in enumerate(held):
+                if rank in self._held:  # another gap among them: its refill holds the rest
+                    self._held[rank].extend(held[i:])
+                    break
+                self._apply(rank, seq, batch)
 
     async def _refill(self, rank: int, upto: int) -> None:
         """Replay rank's batches from the first missing one up to ``upto`` (exclusive)."""

@@ -9,9 +9,10 @@ evicted); the gateway's ``KvEventFeed`` reads them on its event loop, beside eve
 else it does. A PUB socket in another process sends BATCHES batches of BLOCKS
 ``BlockStored`` events (128-token blocks, as vLLM's CPU engine makes them), INTERVAL
 seconds apart (0: back to back), to a ``KvEventFeed`` in this process, two ways, alternating
-over ROUNDS: the feed as it is (its SUB socket adopted by ``LoopWatchedSocket``, a waiting
-backlog drained without a loop pass per frame) and with pyzmq's asyncio receive per frame
-(how it read before). Reported: the receiving thread's CPU per batch, and decode and apply
+over ROUNDS: the feed as it is (drained on a 20 ms timer and before each routing decision:
+no wake-up per batch), woken per batch by the loop's watch of its socket
+(``LoopWatchedSocket``, how it read before), and woken per batch by pyzmq's asyncio receive
+(how it read first). Reported: the receiving thread's CPU per batch, and decode and apply
 alone (no socket) for the split.
 """
 
@@ -30,6 +31,7 @@ import msgspec
 import zmq
 
 from gateway.kv_event_feed import KvEventFeed
+from gateway.loop_watched_socket import LoopWatchedSocket
 from gateway.prefix_index import PrefixIndex, decode_batch
 
 _BLOCK = 128
@@ -81,13 +83,28 @@ def _publisher(address: str, batches: int, blocks: int, interval: float, go: Any
     ctx.term()
 
 
-class _PyzmqReceiveFeed(KvEventFeed):
-    """The feed with pyzmq's asyncio receive per frame (how it read before)."""
+class _WokenPerBatchFeed(KvEventFeed):
+    """The feed woken for each batch by the loop's watch of its socket (how it read until
+    it was drained on a timer and before each decision)."""
+
+    def start(self) -> None:
+        super().start()
+        assert self._task is not None
+        self._task.cancel()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        sub = LoopWatchedSocket.adopt(self.sub, yield_when_waiting=False)
+        while True:
+            self._on_frames(await sub.recv_multipart())
+
+
+class _PyzmqReceiveFeed(_WokenPerBatchFeed):
+    """The feed with pyzmq's asyncio receive per frame (how it read first)."""
 
     async def _run(self) -> None:
         while True:
-            frames = await self.sub.recv_multipart()
-            await self._on_frames(frames)
+            self._on_frames(await self.sub.recv_multipart())
 
 
 async def _one_round(feed_class: type, batches: int, blocks: int, interval: float) -> float:
@@ -138,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import uvloop
 
-    ways = {"watched (now)": KvEventFeed, "pyzmq receive (before)": _PyzmqReceiveFeed}
+    ways = {
+        "drained every 20 ms (now)": KvEventFeed,
+        "woken per batch, loop-watched socket (before)": _WokenPerBatchFeed,
+        "woken per batch, pyzmq receive (first)": _PyzmqReceiveFeed,
+    }
     results: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, feed_class in ways.items():

@@ -147,6 +147,8 @@ class PrefixRouting:
         index, hasher = self.prefix_index, self._hasher
         if index is None or hasher is None:
             return None, 0
+        if self.kv_feed is not None:
+            self.kv_feed.drain()  # the batches published since the last look, now
         block_size = index.block_size() or hasher.block_size or 0
         if not self._hashes_usable() or not block_size:
             return None, block_size
