@@ -83,7 +83,10 @@ class KvEventFeed:
     ):
         self.index = index
         self._replay_addresses = replay_addresses
-        self._ctx = context or zmq.asyncio.Context()
+        # The process's shared context (as vLLM's publisher uses), not one of its own per
+        # feed: a context left to the garbage collector terms itself in ``__del__``, at
+        # whatever point the collector runs.
+        self._ctx = context or zmq.asyncio.Context.instance()
         self._replay_timeout_s = replay_timeout_s
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)

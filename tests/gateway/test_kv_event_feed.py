@@ -202,6 +202,7 @@ async def test_a_replay_with_a_hole_in_the_middle_resets_the_rank(endpoints):
         await feed.aclose()
         pub.close(0)
         replay.close(0)
+        ctx.term()  # not left to the garbage collector (a __del__ mid-import breaks pytest)
 
 
 async def test_a_remote_ranks_tcp_publisher_on_its_own_address_feeds_and_replays(monkeypatch):
@@ -277,3 +278,67 @@ async def test_a_wildcard_endpoint_is_refused_by_rank_and_the_other_rank_feeds(e
     finally:
         await feed.aclose()
         pub.shutdown()
+
+
+async def test_while_one_rank_refills_the_other_ranks_batches_go_on_and_its_own_wait(tmp_path):
+    """Rank 0 lost batches 0..1 and its replay socket answers late: meanwhile rank 1's
+    batches are applied, rank 0's later ones are held, and after the refill rank 0 holds
+    every block in order (nothing applied before what precedes it)."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from gateway.prefix_index import EventBatch
+
+    def payload(rank: int, block: int) -> bytes:
+        event = {"type": "BlockStored", "block_hashes": [block], "parent_block_hash": None,
+                 "token_ids": [1] * 16, "block_size": 16, "lora_id": None, "medium": "GPU",
+                 "lora_name": None}  # fmt: skip
+        return msgspec.msgpack.encode(EventBatch(time.time(), [event], rank))
+
+    ctx = zmq.asyncio.Context()
+    pubs = [ctx.socket(zmq.PUB) for _ in range(2)]
+    replay = ctx.socket(zmq.ROUTER)
+    addresses = [f"ipc://{tmp_path}/kv{rank}" for rank in range(2)]
+    for pub, address in zip(pubs, addresses, strict=True):
+        pub.bind(address)
+    replay.bind(f"ipc://{tmp_path}/replay0")
+    index = PrefixIndex(2)
+    feed = KvEventFeed(index, addresses, [f"ipc://{tmp_path}/replay0", None], context=ctx)
+    feed.start()
+    answer = asyncio.Event()
+
+    async def serve_replay_late() -> None:
+        client, _, start = await replay.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        await answer.wait()
+        for seq in (0, 1):
+            await replay.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"),
+                                         payload(0, 10 + seq)])  # fmt: skip
+        await replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True),
+                                     b""])  # fmt: skip
+
+    try:
+        server = asyncio.ensure_future(serve_replay_late())
+        async with asyncio.timeout(10):
+            while not index.ranks[0].gaps:  # rank 0's batch 2 arrives: 0 and 1 were lost
+                await pubs[0].send_multipart([b"kv", (2).to_bytes(8, "big"), payload(0, 12)])
+                await asyncio.sleep(0.05)
+        await pubs[0].send_multipart([b"kv", (3).to_bytes(8, "big"), payload(0, 13)])
+        seq = 0
+        async with asyncio.timeout(10):
+            while 20 not in index.ranks[1].blocks:  # rank 1 is applied meanwhile
+                await pubs[1].send_multipart([b"kv", seq.to_bytes(8, "big"), payload(1, 20)])
+                seq += 1
+                await asyncio.sleep(0.05)
+        assert not index.ranks[0].blocks and index.matched_blocks([12])[0] is None  # held
+        answer.set()
+        await asyncio.wait_for(server, 10)
+        await until(lambda: 13 in index.ranks[0].blocks)
+        assert {10, 11, 12, 13} <= index.ranks[0].blocks.keys()
+        assert index.ranks[0].synced and index.ranks[0].last_seq == 3 and feed.replayed == 2
+    finally:
+        await feed.aclose()
+        for sock in (*pubs, replay):
+            sock.close(0)
+        ctx.term()
