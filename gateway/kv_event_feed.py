@@ -58,7 +58,8 @@ def unreachable_endpoint_problem(address: str) -> str | None:
     a wildcard endpoint (``tcp://*:5557``) as given: it names no host to reach."""
     if not address.startswith(("ipc://", "tcp://", "inproc://")):
         return f"its endpoint {address!r} is not ipc:// or tcp://"
-    if "*" in address or "0.0.0.0" in address or "[::]" in address:
+    host = address.partition("://")[2].rpartition(":")[0]
+    if address.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]", "::", "[*]"):
         return (
             f"its publisher binds {address}, a wildcard that names no host to connect to"
             " (give the rank tcp://*:0 with VLLM_HOST_IP set: vLLM then binds that"

@@ -342,3 +342,21 @@ async def test_while_one_rank_refills_the_other_ranks_batches_go_on_and_its_own_
         for sock in (*pubs, replay):
             sock.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("address", "refused"),
+    [
+        ("tcp://*:5558", True),
+        ("tcp://0.0.0.0:5558", True),
+        ("tcp://[::]:5558", True),
+        ("udp://10.0.0.2:5558", True),
+        ("tcp://10.0.0.0:5558", False),  # an address ending in zeros is still a host
+        ("tcp://127.0.0.1:5558", False),
+        ("ipc:///tmp/eg-kv-x/kv_dp1", False),
+    ],
+)
+def test_which_reported_endpoints_name_no_host_to_connect_to(address, refused):
+    from gateway.kv_event_feed import unreachable_endpoint_problem
+
+    assert (unreachable_endpoint_problem(address) is not None) is refused
