@@ -110,6 +110,7 @@ class KvEventFeed:
         self._drain_interval_s = drain_interval_s
         self._held: dict[int, list[tuple[int, EventBatch]]] = {}  # rank -> during its refill
         self._refills: set[asyncio.Task] = set()
+        self._closed = False
         self._task: asyncio.Task | None = None
         self._monitor_task: asyncio.Task | None = None
         self._grace_task: asyncio.Task | None = None
@@ -124,6 +125,7 @@ class KvEventFeed:
         self._grace_task = asyncio.ensure_future(self._report_unconnected())
 
     async def aclose(self) -> None:
+        self._closed = True  # from here no batch is applied and no refill starts
         for task in (self._task, self._monitor_task, self._grace_task, *self._refills):
             if task is not None:
                 task.cancel()
@@ -225,6 +227,8 @@ class KvEventFeed:
         self._apply(rank, seq, batch)
 
     def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
+        if self._closed:
+            return
         index = self.index
         where = index.check_sequence(rank, seq)
         if where == "restart":
@@ -248,6 +252,8 @@ class KvEventFeed:
             await self._refill(rank, upto)
         finally:
             held = self._held.pop(rank, [])
+            if self._closed:  # cancelled by aclose: nothing more is applied
+                held = []
             for i, (seq, batch) in enumerate(held):
                 if rank in self._held:  # another gap among them: its refill holds the rest
                     self._held[rank].extend(held[i:])

@@ -9,8 +9,14 @@ import os
 import tempfile
 from collections.abc import AsyncIterator
 
+import hypothesis  # noqa: F401  (imported while collecting: see below)
 import pytest
 
+# hypothesis's pytest plugin imports hypothesis at the session's end when no test module
+# did; pytest then rewrites (parses) its modules while the cyclic collector may run
+# finalizers (closed event loops, zmq sockets), and CPython 3.11 raises "AST constructor
+# recursion depth mismatch" (SystemError) in a test file run alone. Imported here, it is
+# parsed before any test runs.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # Keep the engine small and the test prompts near its length limit cheap.
