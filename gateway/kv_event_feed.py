@@ -180,6 +180,8 @@ class KvEventFeed:
         returns how many frames it took. The router calls it before each decision (and
         PrefixQuery before each answer), so the index it reads is current, and a
         background task calls it every ``drain_interval_s``: no loop wake-up per batch."""
+        if self._closed:  # its socket is closed
+            return 0
         plain = self._plain
         taken = 0
         while (limit is None or taken < limit) and plain.getsockopt(_EVENTS) & _POLLIN:

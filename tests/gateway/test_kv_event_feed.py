@@ -225,6 +225,7 @@ async def test_a_remote_ranks_tcp_publisher_on_its_own_address_feeds_and_replays
             assert index.ranks[0].connected and index.matched_blocks([101]) == [1]
         finally:
             await feed.aclose()
+        assert feed.drain() == 0  # a decision after the close reads no closed socket
     finally:
         pub.shutdown()
 
