@@ -1,5 +1,5 @@
-"""bench.probes.kv_feed_cost: its batches are vLLM-shaped, and it runs both ways of
-receiving and reports each with the decode/apply split."""
+"""bench.probes.kv_feed_cost: its batches are vLLM-shaped, and it runs the three ways of
+receiving (drained, woken per batch two ways) and reports each with the decode/apply split."""
 
 import json
 
@@ -15,13 +15,15 @@ def test_the_payloads_are_vllm_shaped_chained_batches():
     assert index.matched_blocks(chain) == [6]
 
 
-def test_the_probe_runs_both_ways_and_reports(tmp_path, capsys):
+def test_the_probe_runs_every_way_and_reports(tmp_path, capsys):
     out = tmp_path / "cost.json"
     assert (
         main(["--batches", "200", "--rounds", "1", "--interval", "0.001", "--json", str(out)]) == 0
     )
     printed = capsys.readouterr().out
-    assert "watched (now)" in printed and "pyzmq receive (before)" in printed
+    for way in ("drained every 20 ms (now)", "loop-watched socket (before)", "pyzmq receive"):
+        assert way in printed, printed
     result = json.loads(out.read_text())
+    assert len(result["results"]) == 3
     assert all(len(costs) == 1 and costs[0] > 0 for costs in result["results"].values())
     assert result["decode"] > 0 and result["apply"] > 0
