@@ -37,6 +37,7 @@ from gateway.server import freeze_startup_heap
 
 from .stats import summarize
 from .targets import scaled_target
+from .targets import target_routing_flags as routing_flags
 from .workload import Workload, closed_loop, model_shape, open_loop
 
 ALL_TARGETS = [
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--targets",
         default=",".join(DEFAULT_TARGETS),
-        help=f"comma list of {ALL_TARGETS}, or gateway / vllm-http with -dpN and/or -xM",
+        help=f"comma list of {ALL_TARGETS}, or gateway / vllm-http with -dpN and/or -xM (a"
+        " gateway's then with -load, -cache or -round-robin: its --routing)",
     )
     p.add_argument("--concurrency", default=None, help="comma list, overrides the mode")
     p.add_argument("--rates", default=None, help="Poisson arrival rates (req/s), comma list")
@@ -325,10 +327,12 @@ async def run(args: argparse.Namespace) -> dict:
             if frontend == "vllm-http":
                 targets.append(HttpTarget(model, setup=engines, api_servers=x, name=name))
             elif x > 1:
-                servers.append(GatewayGroupServer(model, x, setup=engines))
+                servers.append(
+                    GatewayGroupServer(model, x, setup=engines, extra_flags=routing_flags(name))
+                )
                 targets.append(GatewayPoolTarget(servers[-1], name))
             else:
-                servers.append(GatewayServer(model, setup=engines))
+                servers.append(GatewayServer(model, routing_flags(name), setup=engines))
                 targets.append(GatewayTarget(servers[-1], "ipc", name=name))
         elif name.startswith("gateway-"):
             targets.append(GatewayTarget(server, name.removeprefix("gateway-")))

@@ -641,7 +641,13 @@ class DirectTarget:
 class GatewayGroupServer:
     """`python -m gateway serve --gateway-count N`: N gateway processes on one engine."""
 
-    def __init__(self, model: str, count: int, setup: EngineSetup | None = None):
+    def __init__(
+        self,
+        model: str,
+        count: int,
+        setup: EngineSetup | None = None,
+        extra_flags: tuple[str, ...] = (),
+    ):
         setup = setup or EngineSetup()
         folder = tempfile.mkdtemp(prefix="eg-")
         self.addresses = [f"ipc://{folder}/group-{i}.sock" for i in range(count)]
@@ -660,6 +666,7 @@ class GatewayGroupServer:
                 "100000",
                 "--max-in-flight-total",
                 "100000",
+                *extra_flags,
                 *setup.flags,
             ],
             "gateway-group.log",
@@ -712,13 +719,26 @@ class GatewayPoolTarget:
 
 
 # Any of these too: N data-parallel engines and/or M frontend processes.
-SCALED_TARGET = re.compile(r"(?P<frontend>gateway|vllm-http)(?:-dp(?P<dp>\d+))?(?:-x(?P<x>\d+))?")
+SCALED_TARGET = re.compile(
+    r"(?P<frontend>gateway|vllm-http)(?:-dp(?P<dp>\d+))?(?:-x(?P<x>\d+))?"
+    r"(?:-(?P<routing>load|cache|round-robin))?"
+)
 
 
 def scaled_target(name: str) -> tuple[str, int, int] | None:
-    """(frontend, data-parallel engines, frontend processes) of a -dpN / -xM target."""
+    """(frontend, data-parallel engines, frontend processes) of a -dpN / -xM target; a
+    gateway's may end in -load / -cache / -round-robin (its --routing; else the default)."""
     match = SCALED_TARGET.fullmatch(name)
     if match is None or (match["dp"] is None and match["x"] is None):
         return None
+    if match["routing"] is not None and match["frontend"] != "gateway":
+        return None
     dp, x = int(match["dp"] or 1), int(match["x"] or 1)
     return (match["frontend"], dp, x) if dp >= 1 and x >= 1 and dp * x > 1 else None
+
+
+def target_routing_flags(name: str) -> tuple[str, ...]:
+    """The gateway flags a scaled target's -load / -cache / -round-robin suffix asks for."""
+    match = SCALED_TARGET.fullmatch(name)
+    routing = match["routing"] if match is not None else None
+    return ("--routing", routing) if routing is not None else ()

@@ -533,9 +533,9 @@ class AsyncClient(CompletionCalls):
     ) -> PrefixReply:
         """Per data-parallel rank, how many of the prompt's leading tokens a request would
         find in that rank's prefix cache (``matched_tokens``; None where the gateway's
-        index of that rank is not usable now). Needs ``--routing cache`` on the gateway
-        for figures; ``options``: the ``lora_name`` and ``cache_salt`` the request would
-        carry (they are part of vLLM's block hash)."""
+        index of that rank is not usable now). Needs cache routing on the gateway (its
+        default with two or more ranks) for figures; ``options``: the ``lora_name`` and
+        ``cache_salt`` the request would carry (they are part of vLLM's block hash)."""
         return await self._call(PrefixQuery, list(prompt_token_ids), options)
 
     # ------------------------------------------------------------ control plane

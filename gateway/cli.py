@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .preflight import (
     UsageError,
@@ -291,11 +292,12 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
-        default="load",
-        help="where an unpinned request goes: load (vLLM's balancer), cache (the rank"
-        " holding most of its prompt in the prefix cache, from vLLM's KV events, with a"
-        " balance guard; for shared prefixes: multi-turn, agents; bench/results/routing.md)"
-        " or round-robin",
+        default=None,
+        help="where an unpinned request goes: cache (the rank holding most of its prompt in"
+        " the prefix cache, from vLLM's KV events, with a balance guard; the default with 2+"
+        " data-parallel ranks), load (vLLM's balancer; the default with one rank, and where"
+        " cache cannot run: prefix caching off, a rank without KV events; logged) or"
+        " round-robin (bench/results/routing.md)",
     )
     g.add_argument(
         "--routing-prefix-weight",
@@ -388,26 +390,63 @@ def _check_gateway_flags(argv: list[str]) -> None:
 
 def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     """The model check; returns vLLM's engine args and config (reads the model, starts nothing)."""
-    from .vllm import enable_kv_events, engine_args_from_namespace, engine_config
+    from .vllm import (
+        enable_kv_events,
+        engine_args_from_namespace,
+        engine_config,
+        remove_kv_events_folder,
+    )
 
     check_model(args.model)
     if args.lora_module and not args.enable_lora:
         raise UsageError("--lora-module", "needs --enable-lora (vLLM's flag for LoRA adapters)")
     try:
         engine_args = engine_args_from_namespace(args)
+        _choose_routing(args, engine_args)
         if args.routing == "cache":
             enable_kv_events(engine_args)
         count = args.gateway_count
         config = engine_config(engine_args, count, -1 if count > 1 else 0)
+        if args.routing == "cache" and not config.cache_config.enable_prefix_caching:
+            if not args.routing_by_default:
+                raise UsageError(
+                    "--routing",
+                    "cache routes by the engines' prefix caches, and prefix caching is off"
+                    " (--no-enable-prefix-caching): use load",
+                )
+            # vLLM turned prefix caching off for this model: no events to route by.
+            logger.info("routing: load (vLLM keeps no prefix cache for this model)")
+            remove_kv_events_folder(config)
+            args.routing, engine_args.kv_events_config = "load", None
+            config = engine_config(engine_args, count, -1 if count > 1 else 0)
+    except UsageError:
+        raise
     except Exception as exc:  # vLLM's own words for a model or flag it cannot use
         raise UsageError(None, f"engine configuration: {_first_sentence(exc)}") from None
-    if args.routing == "cache" and not config.cache_config.enable_prefix_caching:
-        raise UsageError(
-            "--routing",
-            "cache routes by the engines' prefix caches, and prefix caching is off"
-            " (--no-enable-prefix-caching): use load",
-        )
     return engine_args, config
+
+
+def _choose_routing(args: argparse.Namespace, engine_args: Any) -> None:
+    """Without --routing: ``cache`` where there are ranks to choose from and the engines can
+    publish their KV events to the gateway, else ``load`` (said in the log). Sets
+    ``args.routing`` and ``args.routing_by_default`` (gateways of a group get both)."""
+    args.routing_by_default = args.routing is None
+    if args.routing is not None:
+        return
+    own_events = getattr(engine_args, "kv_events_config", None)
+    if engine_args.data_parallel_size < 2:
+        args.routing = "load"  # one rank: nothing to choose
+    elif engine_args.enable_prefix_caching is False:
+        args.routing = "load"
+        logger.info("routing: load (--no-enable-prefix-caching: no cache to route by)")
+    elif own_events is not None and getattr(own_events, "enable_kv_cache_events", False):
+        args.routing = "load"
+        logger.info(
+            "routing: load (--kv-events-config is given: the engines publish where it says,"
+            " not to the gateway; --routing cache sets the endpoints itself)"
+        )
+    else:
+        args.routing = "cache"
 
 
 def _first_sentence(exc: Exception) -> str:

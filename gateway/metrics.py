@@ -186,6 +186,11 @@ def _routing_families(p: str, r: dict) -> Iterator:
     for reason, n in r["decisions"].items():
         decisions.add_metric([reason], n)
     yield decisions
+    policy = GaugeMetricFamily(
+        p + "routing_policy", "1: the policy unpinned requests go by", labels=["policy"]
+    )
+    policy.add_metric([r["policy"]], 1)
+    yield policy
     per_rank = (
         (GaugeMetricFamily, "prefix_index_blocks", "Block hashes the index holds", "index_blocks"),
         (GaugeMetricFamily, "prefix_index_synced", "1: the index saw every event", "synced"),

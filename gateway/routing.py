@@ -1,6 +1,7 @@
 """Which data-parallel rank an unpinned request goes to (sans-IO).
 
-Policies (``engine-gateway serve --routing``):
+Policies (``engine-gateway serve --routing``; without the flag: ``cache`` with two or more
+data-parallel ranks, ``load`` with one, and ``load`` where ``cache`` cannot run, logged):
 
 - ``load``: vLLM's own DP balancer, unchanged (the gateway leaves the rank to it).
 - ``round-robin``: ranks in turn.
@@ -55,6 +56,10 @@ class RoutingConfig:
     # microseconds of the gateway's loop; matching stops sooner, at the first block no
     # rank holds). Ranks that both hold more than this tie there, and load decides.
     max_prefix_blocks: int = 1024
+    # The policy was the default, not asked for with --routing: where ``cache`` cannot run
+    # (a rank publishes no KV events), the gateway routes by load and says so rather than
+    # refuse to start.
+    by_default: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -70,6 +75,7 @@ class RoutingConfig:
             ratio,
             slack,
             max_prefix_blocks=args.routing_max_blocks,
+            by_default=getattr(args, "routing_by_default", False),
         )
 
 

@@ -10,6 +10,7 @@ prefill stats give the index's accuracy (predicted against vLLM's ``num_cached_t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Any
 
@@ -60,21 +61,25 @@ class PrefixRouting:
         """Set up ``config``'s policy; with KV events on, bind the feed (before the
         engines take requests: nothing they publish is missed)."""
         ranks = self._vllm_config.parallel_config.data_parallel_size
-        self.router = Router(ranks, config)
         sources = self._client.get_kv_event_sources()
         silent = [
             rank
             for rank in range(ranks)
             if rank not in sources or not sources[rank].enable_kv_cache_events
         ]
+        if silent and config.policy == "cache":
+            problem = (
+                f"rank(s) {silent} publish no KV events (a headless rank on another host needs"
+                ' --kv-events-config with "endpoint": "tcp://*:0" and "replay_endpoint":'
+                ' "tcp://*:0", and VLLM_HOST_IP set to its private address:'
+                " docs/DEPLOYMENT.md)"
+            )
+            if not config.by_default:
+                raise ValueError(f"--routing cache needs every rank's KV events; {problem}")
+            logger.warning("routing: load, not the default cache: %s", problem)
+            config = dataclasses.replace(config, policy="load")
+        self.router = Router(ranks, config)
         if silent:
-            if config.policy == "cache":
-                raise ValueError(
-                    f"--routing cache needs every rank's KV events; rank(s) {silent} publish"
-                    " none (a headless rank on another host needs --kv-events-config with"
-                    ' "endpoint": "tcp://*:0" and "replay_endpoint": "tcp://*:0", and'
-                    " VLLM_HOST_IP set to its private address: docs/DEPLOYMENT.md)"
-                )
             return
         publishers = [sources[rank].endpoint for rank in range(ranks)]
         replays = [sources[rank].replay_endpoint for rank in range(ranks)]

@@ -148,14 +148,19 @@ def test_the_bench_freezes_what_it_holds_before_each_measurement():
 
 def test_scaled_targets_name_their_engines_and_frontends_and_report_against_the_sum():
     from bench.report import _scale_lines
-    from bench.targets import scaled_target
+    from bench.targets import scaled_target, target_routing_flags
 
     assert scaled_target("gateway-dp8-x2") == ("gateway", 8, 2)
     assert scaled_target("vllm-http-dp4-x4") == ("vllm-http", 4, 4)
     assert scaled_target("gateway-x2") == ("gateway", 1, 2)
     assert scaled_target("vllm-http-dp2") == ("vllm-http", 2, 1)
+    assert scaled_target("gateway-dp2-load") == ("gateway", 2, 1)
+    assert target_routing_flags("gateway-dp2-x2-load") == ("--routing", "load")
+    assert target_routing_flags("gateway-dp2") == ()  # the gateway's default
     for plain in ("gateway-ipc", "vllm-http", "direct", "gateway-dp1", "gateway-dp8-y2"):
         assert scaled_target(plain) is None
+    for wrong in ("vllm-http-dp2-load", "gateway-dp2-hash", "gateway-load"):
+        assert scaled_target(wrong) is None
     rows = [
         {"target": "direct", "concurrency": 1024, "output_tok_s": 40_000.0},
         {"target": "gateway-dp8", "concurrency": 1024, "output_tok_s": 304_000.0},

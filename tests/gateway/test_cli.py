@@ -349,3 +349,49 @@ def test_with_several_gateways_a_busy_metrics_port_is_a_usage_error_before_engin
     assert_one_line_error(code, err, "--metrics-port", f"127.0.0.1:{port} (gateway 1)")
     assert elapsed < 60
     assert "EngineCore" not in err
+
+
+# ------------------------------------------------------------ the routing policy chosen
+
+
+@pytest.mark.parametrize(
+    ("flags", "policy", "by_default", "events"),
+    [
+        ([], "load", True, False),  # one rank: nothing to choose
+        (["--data-parallel-size", "2"], "cache", True, True),
+        (["--data-parallel-size", "2", "--no-enable-prefix-caching"], "load", True, False),
+        (
+            ["--data-parallel-size", "2", "--kv-events-config", '{"enable_kv_cache_events": true}'],
+            "load",
+            True,
+            True,  # the operator's own events config, left as given
+        ),
+        (["--data-parallel-size", "2", "--routing", "load"], "load", False, False),
+        (["--data-parallel-size", "2", "--routing", "round-robin"], "round-robin", False, False),
+        (["--routing", "cache"], "cache", False, True),
+    ],
+)
+def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
+    flags, policy, by_default, events
+):
+    """The policy `serve` starts with, from vLLM's own configuration of the command line (no
+    engine started): ``cache`` is the default with two or more ranks and prefix caching on,
+    with its KV events on private ipc sockets; ``load`` otherwise, and where the operator
+    named the events' endpoints; an explicit --routing is kept as given."""
+    from gateway.cli import _preflight, build_parser
+    from gateway.tiny_model import ensure_tiny_model
+    from gateway.vllm import remove_kv_events_folder
+
+    args = build_parser().parse_args(
+        [str(ensure_tiny_model()), "--enforce-eager", "--max-model-len", "512", *flags]
+    )
+    args.model = args.model_tag
+    _, config = _preflight(args)
+    try:
+        assert (args.routing, args.routing_by_default) == (policy, by_default)
+        kv_events = config.kv_events_config
+        assert (kv_events is not None and kv_events.enable_kv_cache_events) == events
+        if events and "--kv-events-config" not in flags:
+            assert kv_events.endpoint.startswith("ipc://"), kv_events.endpoint
+    finally:
+        remove_kv_events_folder(config)

@@ -213,6 +213,9 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         results = [await client.complete([5, 6], short, options=pinned(r)) for r in (0, 1)]
         assert results[0].token_ids == results[1].token_ids  # same weights on both ranks
+        # No --routing: two ranks route by cache (the default), with a feed from each.
+        reply = await client.prefix_query(list(range(4, 100)))
+        assert reply.routing == "cache" and len(reply.matched_tokens) == 2, reply
 
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -139,9 +139,9 @@ def test_a_prompt_cached_to_the_hashing_cap_counts_as_a_whole_hit():
     assert (decision.rank, decision.reason) == (0, "matched")
 
 
-def test_cache_routing_refuses_to_start_naming_each_rank_that_publishes_no_kv_events():
-    """A headless rank started without --kv-events-config reports no publisher: the start
-    stops with a message naming that rank and the setting it lacks (DEPLOYMENT.md)."""
+def _routing_with_silent_ranks():
+    """Three ranks of which only rank 0 reports a KV-event publisher (a headless rank
+    started without --kv-events-config reports none)."""
     from types import SimpleNamespace
 
     from gateway.vllm.prefix_routing import PrefixRouting
@@ -151,10 +151,38 @@ def test_cache_routing_refuses_to_start_naming_each_rank_that_publishes_no_kv_ev
     routing._vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=3))
     routing._client = SimpleNamespace(get_kv_event_sources=lambda: {0: events_on})
     routing._init_routing()
-    with pytest.raises(ValueError, match=r"rank\(s\) \[1, 2\] publish none.*tcp://\*:0"):
+    return routing
+
+
+def test_cache_routing_asked_for_refuses_to_start_naming_each_rank_without_kv_events():
+    """``--routing cache`` given: the start stops with a message naming the ranks that
+    publish no events and the setting they lack (DEPLOYMENT.md)."""
+    routing = _routing_with_silent_ranks()
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1, 2\] publish no KV.*tcp://\*:0"):
         routing._start_routing(RoutingConfig("cache"))
     routing._start_routing(RoutingConfig("load"))  # vLLM's balancer needs no events
-    assert routing.kv_feed is None
+    assert routing.kv_feed is None and routing.routing_stats()["policy"] == "load"
+
+
+def test_cache_by_default_routes_by_load_where_a_rank_publishes_no_kv_events(caplog):
+    """The default ``cache`` (no --routing) where a rank publishes no events: the gateway
+    starts, routes by load, says so once naming the ranks, and /metrics names the policy."""
+    from gateway.metrics import _routing_families
+
+    routing = _routing_with_silent_ranks()
+    with caplog.at_level("WARNING"):
+        routing._start_routing(RoutingConfig("cache", by_default=True))
+    assert routing.kv_feed is None and routing.router.config.policy == "load"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "rank(s) [1, 2] publish no KV events" in warnings[0]
+    assert "routing: load" in warnings[0]
+    samples = {
+        (sample.name, sample.labels.get("policy")): sample.value
+        for family in _routing_families("eg_", routing.routing_stats())
+        for sample in family.samples
+    }
+    assert samples[("eg_routing_policy", "load")] == 1.0
+    assert ("eg_routing_policy", "cache") not in samples
 
 
 def test_the_kv_events_folder_is_removed_only_when_enable_kv_events_made_it(tmp_path):
