@@ -491,17 +491,20 @@ def serve_main(argv: list[str]) -> int:
     from .stop_signals import StopRequested, stop_while_starting
 
     stop_while_starting()  # until serving: the handlers serve() and serve_group() install
+    from .vllm import private_rpc_folder
+
     try:
-        if args.model is None:
-            _tiny_model_defaults(args, argv)
-        engine_args, vllm_config = _preflight(args)
-        if args.gateway_count > 1:
-            from .group import serve_group
+        with private_rpc_folder():  # removed once the engines have stopped
+            if args.model is None:
+                _tiny_model_defaults(args, argv)
+            engine_args, vllm_config = _preflight(args)
+            if args.gateway_count > 1:
+                from .group import serve_group
 
-            return serve_group(args, vllm_config)
-        import uvloop
+                return serve_group(args, vllm_config)
+            import uvloop
 
-        return uvloop.run(run_gateway(args, engine_args, vllm_config))
+            return uvloop.run(run_gateway(args, engine_args, vllm_config))
     except UsageError as exc:
         return _fail("serve", str(exc))
     except StopRequested as stop:

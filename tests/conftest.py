@@ -4,8 +4,10 @@ for the whole test session (started on first use, ~40 s)."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 
@@ -18,6 +20,12 @@ import pytest
 # recursion depth mismatch" (SystemError) in a test file run alone. Imported here, it is
 # parsed before any test runs.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM's processes leave their ipc socket files at VLLM_RPC_BASE_PATH (default the temporary
+# directory): the engines this session starts itself keep theirs in one folder, removed at
+# its end (gateway processes under test make their own: tests/processes.py).
+TESTS_RPC_FOLDER = tempfile.mkdtemp(prefix="eg-rpc-tests-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", TESTS_RPC_FOLDER)
+atexit.register(shutil.rmtree, TESTS_RPC_FOLDER, True)
 
 # Keep the engine small and the test prompts near its length limit cheap.
 TEST_MAX_MODEL_LEN = 512

@@ -267,3 +267,11 @@ def noise_image(width: int, height: int, seed: int):  # noqa: ANN201 - a PIL ima
 
     pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def sockets_under(folder) -> list[str]:  # noqa: ANN001
+    """Unix socket files anywhere under ``folder`` (what a process left behind)."""
+    import stat
+    from pathlib import Path
+
+    return [str(path) for path in Path(folder).rglob("*") if stat.S_ISSOCK(path.lstat().st_mode)]

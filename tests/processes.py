@@ -22,9 +22,22 @@ from tests.helpers import kill_all
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _process_env(extra: dict | None, own_rpc_folder: bool) -> dict[str, str]:
+    """This session's environment plus ``extra``; with ``own_rpc_folder``, less the
+    session's socket folder for vLLM (tests/conftest.py): a gateway under test makes its
+    own, as in production."""
+    env = {**os.environ, **(extra or {})}
+    session_folder = env.get("VLLM_RPC_BASE_PATH", "").rsplit("/", 1)[-1]
+    if own_rpc_folder and session_folder.startswith("eg-rpc-tests-"):
+        del env["VLLM_RPC_BASE_PATH"]
+    return env
+
+
 class Process:
     """A command in its own process group, its output in ``log_path``; ``stop`` kills them
     all."""
+
+    own_rpc_folder = False  # a gateway: makes its own folder for vLLM's sockets
 
     def __init__(self, argv: list[str], log_path: Path, env: dict | None = None):
         self.argv = argv
@@ -34,7 +47,7 @@ class Process:
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=_process_env(env, self.own_rpc_folder),
             process_group=0,
         )
 
@@ -80,6 +93,8 @@ class Process:
 
 class GatewayProcess(Process):
     """`python -m gateway serve` on the tiny model in a subprocess, with its own engine."""
+
+    own_rpc_folder = True
 
     def __init__(self, *extra: str, address: str | None = None, env: dict | None = None):
         self.address = address or ipc_address("proc")

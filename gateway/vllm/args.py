@@ -7,6 +7,11 @@ Supported vLLM: ``SUPPORTED_VLLM``. Nothing here starts a process.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from client.vllm_wheel import patch_vllm_cpu_version
@@ -134,6 +139,34 @@ def remove_kv_events_folder(vllm_config: Any) -> None:
         folder = Path(endpoint.removeprefix("ipc://")).parent
         if folder.name.startswith(KV_EVENTS_FOLDER_PREFIX):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+RPC_FOLDER_PREFIX = "eg-rpc-"
+_RPC_FOLDER_MAX_LEN = 64  # + "/" + a uuid4 (36): well inside AF_UNIX's 107 bytes
+
+
+@contextlib.contextmanager
+def private_rpc_folder() -> Iterator[str | None]:
+    """vLLM's processes bind their ipc sockets at ``VLLM_RPC_BASE_PATH/<uuid>`` (default: the
+    temporary directory) and leave the files there when they exit: seven a start of one
+    engine, hundreds a test run. Unless the operator set ``VLLM_RPC_BASE_PATH``, point it,
+    for this process and the engines it starts (they inherit it), at a fresh private
+    folder, removed on the way out; yields that folder (None: the operator's is used)."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix=RPC_FOLDER_PREFIX)
+    if len(folder) > _RPC_FOLDER_MAX_LEN:  # a socket path past AF_UNIX's 107 bytes fails
+        os.rmdir(folder)
+        yield None
+        return
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    try:
+        yield folder
+    finally:
+        if os.environ.get("VLLM_RPC_BASE_PATH") == folder:
+            del os.environ["VLLM_RPC_BASE_PATH"]
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def ipc_endpoint_for_rank(endpoint: str | None, rank: int) -> str | None:

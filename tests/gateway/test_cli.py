@@ -395,3 +395,39 @@ def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
             assert kv_events.endpoint.startswith("ipc://"), kv_events.endpoint
     finally:
         remove_kv_events_folder(config)
+
+
+def test_the_engines_socket_folder_is_private_removed_and_never_the_operators(
+    tmp_path, monkeypatch
+):
+    """``serve`` points vLLM's ``VLLM_RPC_BASE_PATH`` at a folder of its own (its processes
+    leave their ipc socket files behind) and removes it; an operator's setting is kept, and
+    a temporary directory too long for AF_UNIX socket paths leaves vLLM's default."""
+    import tempfile
+
+    from gateway.vllm import private_rpc_folder
+
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    short = Path(tempfile.mkdtemp(prefix="eg-t-", dir="/tmp"))
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(short))
+        with private_rpc_folder() as folder:
+            assert folder is not None and os.environ["VLLM_RPC_BASE_PATH"] == folder
+            assert Path(folder).parent == short
+            (Path(folder) / "left-behind").touch()
+        assert list(short.iterdir()) == [] and "VLLM_RPC_BASE_PATH" not in os.environ
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    with private_rpc_folder() as folder:
+        assert folder is None and os.environ["VLLM_RPC_BASE_PATH"] == str(tmp_path)
+    assert tmp_path.exists()
+
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    deep = tmp_path / ("d" * 70)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with private_rpc_folder() as folder:
+        assert folder is None and "VLLM_RPC_BASE_PATH" not in os.environ
+    assert list(deep.iterdir()) == []

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from client import FinishReason, SamplingParams
 from tests.gateway.test_gateway_group import group_addresses, pool_on
 from tests.gateway.test_lifecycle import LONG_CONTEXT, long_context_args
-from tests.helpers import gone, kill_all, wait_for
+from tests.helpers import gone, kill_all, sockets_under, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -45,19 +47,42 @@ async def ctrl_c_drains(supervisor, addresses: list[str]) -> None:
     assert "ENGINE_DEAD" not in supervisor.output()
 
 
-async def test_ctrl_c_in_a_terminal_drains_a_single_gateway(gateway_process, tmp_path):
-    gw = gateway_process(*long_context_args(tmp_path), "--drain-timeout", "60")
+@pytest.fixture
+def private_tmpdir():
+    """A short TMPDIR of the gateway's own (its engines' socket paths must fit AF_UNIX)."""
+    folder = tempfile.mkdtemp(prefix="eg-t-")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_ctrl_c_in_a_terminal_drains_a_single_gateway(
+    gateway_process, tmp_path, private_tmpdir
+):
+    gw = gateway_process(
+        *long_context_args(tmp_path), "--drain-timeout", "60", env={"TMPDIR": private_tmpdir}
+    )
     await ctrl_c_drains(gw, [gw.address])
     assert "draining" in gw.output()
+    # vLLM's processes leave their ipc socket files behind (7 a start in the temporary
+    # directory); the gateway gives them a private folder and removes it.
+    assert sockets_under(private_tmpdir) == []
 
 
-async def test_ctrl_c_in_a_terminal_drains_every_gateway_of_a_group(gateway_process, tmp_path):
+async def test_ctrl_c_in_a_terminal_drains_every_gateway_of_a_group(
+    gateway_process, tmp_path, private_tmpdir
+):
     supervisor = gateway_process(
-        *long_context_args(tmp_path), "--gateway-count", "2", "--drain-timeout", "60"
+        *long_context_args(tmp_path),
+        "--gateway-count",
+        "2",
+        "--drain-timeout",
+        "60",
+        env={"TMPDIR": private_tmpdir},
     )
     await ctrl_c_drains(supervisor, group_addresses(supervisor))
     log = supervisor.output()
     assert "draining every gateway" in log and log.count("draining:") == 2, log[-3000:]
+    assert sockets_under(private_tmpdir) == []
 
 
 @pytest.mark.parametrize("count", ["1", "2"])
