@@ -405,8 +405,8 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
         _choose_routing(args, engine_args)
         if args.routing == "cache":
             enable_kv_events(engine_args)
-        count = args.gateway_count
-        config = engine_config(engine_args, count, -1 if count > 1 else 0)
+        count, index = args.gateway_count, -1 if args.gateway_count > 1 else 0
+        config = engine_config(engine_args, count, index)
         if args.routing == "cache" and not config.cache_config.enable_prefix_caching:
             if not args.routing_by_default:
                 raise UsageError(
@@ -418,7 +418,7 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
             logger.info("routing: load (vLLM keeps no prefix cache for this model)")
             remove_kv_events_folder(config)
             args.routing, engine_args.kv_events_config = "load", None
-            config = engine_config(engine_args, count, -1 if count > 1 else 0)
+            config = engine_config(engine_args, count, index)
     except UsageError:
         raise
     except Exception as exc:  # vLLM's own words for a model or flag it cannot use
