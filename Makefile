@@ -9,8 +9,12 @@ setup:
 demo: setup
 	$(PY) scripts/demo.py
 
+# Two pytest-xdist workers, whole files each (a file's engines are shared by its tests),
+# the longest files first (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	./scripts/client_pythons.sh
 
 test-slow: setup

@@ -359,7 +359,11 @@ def _tiny_model_defaults(args: argparse.Namespace, argv: list[str]) -> None:
     ):
         if flag not in given and flag.replace("-", "_") not in given:
             setattr(args, attr, value)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if "--kv-cache-memory-bytes" not in given and "--kv_cache_memory_bytes" not in given:
+        # 1 GiB of KV cache (vLLM-cpu's VLLM_CPU_KVCACHE_SPACE, which would override an
+        # explicit --kv-cache-memory-bytes); without either, vLLM takes
+        # gpu_memory_utilization of the host's memory.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _check_gateway_flags(argv: list[str]) -> None:

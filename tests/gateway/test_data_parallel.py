@@ -19,7 +19,12 @@ import pytest
 from client import AsyncClient, ErrorCode, RequestFailed, RequestOptions, SamplingParams
 from gateway.server import EXIT_ENGINE_DEAD
 from gateway.tiny_model import ensure_tiny_model
-from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
+from tests.conftest import (
+    TEST_KV_CACHE_BYTES,
+    TEST_MAX_MODEL_LEN,
+    cpu_engine_args,
+    engine_gateway,
+)
 from tests.gateway.test_lifecycle import (
     CLIENT_SCRIPT,
     UNENDING,
@@ -347,6 +352,8 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
             "0.2",
             "--max-model-len",
             str(TEST_MAX_MODEL_LEN),
+            "--kv-cache-memory-bytes",
+            str(TEST_KV_CACHE_BYTES),
             "--seed",
             "0",
             "--kv-events-config",

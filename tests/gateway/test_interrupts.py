@@ -98,9 +98,10 @@ async def test_a_stop_during_engine_start_up_is_prompt_and_clean(gateway_process
         code = await asyncio.to_thread(gw.proc.wait, 60)
         took = time.monotonic() - sent
         assert code == 0, gw.output()[-3000:]
-        # Here 7-10 s, 5 of them vLLM's grace for an EngineCore still starting its worker
-        # (then it is killed); the defects this guards against took 25 and 36 s.
-        assert took < 20, took
+        # Here 7-10 s alone, 21 s beside another test on the 2-core box; 5 of them vLLM's
+        # grace for an EngineCore still starting its worker (then it is killed). The defects
+        # this guards against took 25 and 36 s and exited 1, after the engine had started.
+        assert took < 30, took
         family += [p.pid for p in gw.descendants()]
         await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
     finally:

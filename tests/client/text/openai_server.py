@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import TEST_KV_CACHE_BYTES
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -43,7 +45,7 @@ class OpenAIServer:
         self.model = model
         self.port = _free_port()
         self.log = Path(tempfile.mkdtemp(prefix="eg-openai-")) / "serve.log"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
@@ -52,6 +54,7 @@ class OpenAIServer:
                     "--host", "127.0.0.1", "--port", str(self.port),
                     "--enforce-eager", "--gpu-memory-utilization", "0.2",
                     "--max-model-len", str(max_model_len), "--seed", "0",
+                    "--kv-cache-memory-bytes", str(TEST_KV_CACHE_BYTES),
                     "--disable-log-stats", "--uvicorn-log-level", "warning",
                 ],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, process_group=0,
