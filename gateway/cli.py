@@ -346,20 +346,31 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     )
 
 
+def _flags_given(argv: list[str]) -> set[str]:
+    """The long flags of a command line as vLLM's parser reads them: underscores as dashes,
+    without an ``=value``, and ``--no-X`` as ``--X`` (either way, the operator chose)."""
+    given = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            flag = "--" + arg[2:].split("=", 1)[0].replace("_", "-")
+            given.add("--" + flag.removeprefix("--no-") if flag.startswith("--no-") else flag)
+    return given
+
+
 def _tiny_model_defaults(args: argparse.Namespace, argv: list[str]) -> None:
     """CPU-friendly engine settings for the embedded model, unless given explicitly."""
     from .tiny_model import ensure_tiny_model
 
     args.model = str(ensure_tiny_model())
-    given = " ".join(argv)
+    given = _flags_given(argv)
     for flag, attr, value in (
         ("--enforce-eager", "enforce_eager", True),
         ("--gpu-memory-utilization", "gpu_memory_utilization", 0.2),
         ("--max-model-len", "max_model_len", 2048),
     ):
-        if flag not in given and flag.replace("-", "_") not in given:
+        if flag not in given:
             setattr(args, attr, value)
-    if "--kv-cache-memory-bytes" not in given and "--kv_cache_memory_bytes" not in given:
+    if "--kv-cache-memory-bytes" not in given:
         # 1 GiB of KV cache (vLLM-cpu's VLLM_CPU_KVCACHE_SPACE, which would override an
         # explicit --kv-cache-memory-bytes); without either, vLLM takes
         # gpu_memory_utilization of the host's memory.

@@ -450,3 +450,27 @@ def test_the_embedded_model_gets_1_gib_of_kv_cache_unless_the_operator_sizes_it(
     _tiny_model_defaults(args, flags)
     assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == env_space
     assert args.kv_cache_memory_bytes == kv_bytes
+
+
+@pytest.mark.parametrize(
+    ("flags", "attr", "value"),
+    [
+        (["--max_model_len", "4096"], "max_model_len", 4096),
+        (["--max-model-len=1024"], "max_model_len", 1024),
+        (["--gpu_memory_utilization", "0.5"], "gpu_memory_utilization", 0.5),
+        (["--no-enforce-eager"], "enforce_eager", False),
+        ([], "max_model_len", 2048),
+    ],
+)
+def test_the_embedded_model_keeps_an_engine_flag_however_vllm_lets_it_be_spelled(
+    monkeypatch, flags, attr, value
+):
+    """vLLM's parser takes --max_model_len for --max-model-len and --no-enforce-eager: the
+    embedded model's CPU defaults replace only what the command line left out (they used
+    to overwrite the underscore spellings and --no-enforce-eager)."""
+    from gateway.cli import _tiny_model_defaults, build_parser
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # set back at the end
+    args = build_parser().parse_args(flags)
+    _tiny_model_defaults(args, flags)
+    assert getattr(args, attr) == value
