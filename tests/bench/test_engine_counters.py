@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import psutil
 
 from bench.engine_counters import EngineCounters, read_engine_counters
+from tests.helpers import kill_all
 
 SPIN = """import sys, time
 end = time.process_time() + float(sys.argv[1])
@@ -34,9 +35,7 @@ def spinning_child(cpu_s: str, label: str) -> Iterator[int]:
     try:
         yield parent.pid
     finally:
-        for child in psutil.Process(parent.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
+        kill_all([child.pid for child in psutil.Process(parent.pid).children(recursive=True)])
         parent.kill()
         parent.wait()
 
