@@ -189,30 +189,36 @@ def allow_amx_tiles() -> bool:
 
 def _report_worker_deaths() -> None:
     """In an EngineCore process: when a worker process dies, write which one and how to
-    ``<tmp>/engine-gateway-deaths-<uid>/<EngineCore pid>`` before vLLM's executor tells the
-    EngineCore (whose clients then hear only "EngineDeadError")."""
+    ``<tmp>/engine-gateway-deaths-<uid>/<EngineCore pid>`` before vLLM's executor shuts
+    down (whose clients then hear only "EngineDeadError").
+
+    vLLM's worker monitor marks the executor failed, then shuts it down, then calls the
+    failure callback. The shutdown cancels the queue the EngineCore's step waits on, so the
+    EngineCore fails (and the gateway hears of it) while the callback may not have run yet:
+    the report is written at the start of that shutdown, before the EngineCore can fail."""
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     if getattr(MultiprocExecutor, "_engine_gateway_plugin", False):
         return
-    register = MultiprocExecutor.register_failure_callback
+    shutdown = MultiprocExecutor.shutdown
 
-    def register_failure_callback(self: Any, callback: Callable[[], None]) -> None:
-        def reported() -> None:
-            with contextlib.suppress(Exception):  # the report must never stop the callback
-                dead = [h.proc for h in self.workers if h.proc.exitcode is not None]
-                # The executor's shutdown may have SIGTERMed the others already.
-                dead.sort(key=lambda proc: proc.exitcode == -signal.SIGTERM)
-                if dead:
-                    write_death_report(
-                        os.getpid(), describe_process_exit(dead[0].name, dead[0].exitcode)
-                    )
-            callback()
+    def shutdown_after_a_death_report(self: Any) -> None:
+        if getattr(self, "is_failed", False) and not getattr(self, "shutting_down", False):
+            with contextlib.suppress(Exception):  # the report must never stop the shutdown
+                _write_worker_death_report(self)
+        shutdown(self)
 
-        register(self, reported)
-
-    MultiprocExecutor.register_failure_callback = register_failure_callback
+    MultiprocExecutor.shutdown = shutdown_after_a_death_report
     MultiprocExecutor._engine_gateway_plugin = True
+
+
+def _write_worker_death_report(executor: Any) -> None:
+    """The first of ``executor``'s workers that exited, by name and exit status."""
+    dead = [h.proc for h in executor.workers if h.proc.exitcode is not None]
+    # Should another be ending already, the one that was not SIGTERMed died first.
+    dead.sort(key=lambda proc: proc.exitcode == -signal.SIGTERM)
+    if dead:
+        write_death_report(os.getpid(), describe_process_exit(dead[0].name, dead[0].exitcode))
 
 
 _ENGINE_CORE_PROCESS = re.compile(r"EngineCore(_DP\d+)?")  # vLLM's names for its processes

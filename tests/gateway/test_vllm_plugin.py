@@ -98,9 +98,11 @@ def _die_of_sigill() -> None:
 def test_a_dead_workers_signal_reaches_the_gateway_through_the_engine_process(
     tmp_path, monkeypatch
 ):
-    """vLLM's executor calls its failure callback when a worker dies (its EngineCore then
-    tells clients only "EngineDeadError"); the plugin's wrapper records the worker and its
-    signal first, where the gateway's ENGINE_DEAD message reads it."""
+    """When a worker dies, vLLM's worker monitor shuts its executor down (which cancels the
+    queue the EngineCore's step waits on, so the EngineCore fails and its clients hear only
+    "EngineDeadError"), then calls the failure callback. The plugin records the worker and
+    its signal before that shutdown cancels anything, where the gateway's ENGINE_DEAD message
+    reads it: the report is there however soon the gateway hears of the failure."""
     from vllm.v1.engine.exceptions import EngineDeadError
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
@@ -112,11 +114,17 @@ def test_a_dead_workers_signal_reaches_the_gateway_through_the_engine_process(
     assert worker.exitcode == -signal.SIGILL
     executor = MultiprocExecutor.__new__(MultiprocExecutor)
     executor.is_failed = False
-    executor.workers = [SimpleNamespace(proc=worker)]
+    executor.workers = [SimpleNamespace(proc=worker, death_writer=None, worker_response_mq=None)]
+    reported_when_cancelled: list[str | None] = []
+    executor.rpc_broadcast_mq = SimpleNamespace(
+        shutdown=lambda: reported_when_cancelled.append(deaths.death_report([os.getpid()]))
+    )
     told: list[str] = []
     executor.register_failure_callback(lambda: told.append("engine told"))
-    executor.failure_callback()  # what vLLM's worker monitor does
+    executor.start_worker_monitor(inline=True)  # vLLM's own monitor, run here
     assert told == ["engine told"]
+    assert len(reported_when_cancelled) == 1
+    assert (reported_when_cancelled[0] or "").startswith("W-0 (killed by SIGILL: ")
     dead = adapter._engine_failure(EngineDeadError(), [os.getpid()])
     assert str(dead).startswith("the engine core failed: W-0 (killed by SIGILL: ")
     # Another engine's report is not this one's; without a report, the generic words.
