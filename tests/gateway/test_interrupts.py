@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -21,8 +22,9 @@ from tests.helpers import gone, kill_all, sockets_under, wait_for
 
 pytestmark = pytest.mark.engine
 
-# Long enough to still run when the interrupt lands, short enough to drain in seconds.
-DRAINED = SamplingParams(temperature=0.0, max_tokens=min(3000, LONG_CONTEXT - 16), ignore_eos=True)
+# Long enough to still run when the interrupt lands (sent right after every stream's first
+# token: a few ms), short enough to drain in seconds.
+DRAINED = SamplingParams(temperature=0.0, max_tokens=min(1000, LONG_CONTEXT - 16), ignore_eos=True)
 
 
 async def ctrl_c_drains(supervisor, addresses: list[str]) -> None:
@@ -41,6 +43,9 @@ async def ctrl_c_drains(supervisor, addresses: list[str]) -> None:
                 assert last.finished.output_tokens == DRAINED.max_tokens
             code = await asyncio.to_thread(supervisor.proc.wait, 60)
             assert code == 0, supervisor.output()[-3000:]
+            # The interrupt landed while every stream ran: the drains held them all.
+            held = re.findall(r"draining: (\d+) live requests", supervisor.output())
+            assert sum(map(int, held)) == len(streams), held
             await asyncio.to_thread(wait_for, lambda: all(map(gone, family)), 60)
         finally:
             kill_all(family)
