@@ -2,7 +2,7 @@
 
 ``serve`` and ``keys`` are the gateway's (``gateway.cli``); ``bench`` is the benchmark's
 load generator (``bench.harness``). Dispatching here keeps the gateway from importing the
-benchmark.
+benchmark. ``serve`` ends the process when it returns (``gateway.quick_exit``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     from gateway.cli import main as gateway_main
 
-    return gateway_main(argv)
+    status = gateway_main(argv)
+    if argv[:1] == ["serve"]:  # a process of its own: ended without the teardown
+        from gateway.quick_exit import exit_now
+
+        exit_now(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from typing import Any
 
 from .parent_watch import watch_parent
 from .preflight import UsageError, gateway_bind_addresses
+from .quick_exit import end_spawned_process_quickly
 from .stop_signals import StopRequested, stop_while_starting
 
 __all__ = ["serve_group"]
@@ -52,7 +53,9 @@ EXIT_OK, EXIT_FAILED, EXIT_ENGINE_DEAD = 0, 1, 3
 def gateway_process_main(
     args: argparse.Namespace, index: int, count: int, client_config: dict[str, Any]
 ) -> None:
-    """Entry point of gateway ``index`` (a spawned process)."""
+    """Entry point of gateway ``index`` (a spawned process, ended without the
+    interpreter's teardown: ``gateway.quick_exit``)."""
+    end_spawned_process_quickly()
     faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` prints every thread's stack
     watch_parent(signal.SIGUSR1)  # a killed supervisor's engines stop with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the supervisor drains

@@ -133,6 +133,54 @@ def test_a_dead_workers_signal_reaches_the_gateway_through_the_engine_process(
     assert deaths.death_report([os.getpid()]) is None
 
 
+class _MarkedAtTeardown:
+    """In a reference cycle: only the interpreter's teardown collection runs ``__del__``."""
+
+    def __init__(self, path: str):
+        self.path, self.cycle = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as file:
+            file.write("teardown\n")
+
+
+def _a_vllm_child_that_exits(folder: str, status: int | None) -> None:
+    import atexit
+
+    plugin._exit_without_a_last_collection()
+    _MarkedAtTeardown(os.path.join(folder, "marks"))
+
+    def mark_at_exit() -> None:
+        with open(os.path.join(folder, "marks"), "a") as file:
+            file.write("atexit\n")
+
+    atexit.register(mark_at_exit)
+    if status is not None:
+        raise SystemExit(status)
+
+
+@pytest.mark.parametrize(
+    ("name", "status", "marks"),
+    [
+        ("VllmWorker-0", None, "atexit\n"),
+        ("EngineCore_DP1", 5, "atexit\n"),
+        ("SomeOtherProcess", 5, "atexit\nteardown\n"),  # not vLLM's: the whole teardown
+    ],
+)
+def test_vllm_s_processes_exit_with_their_status_and_handlers_but_no_teardown(
+    tmp_path, name, status, marks
+):
+    """vLLM's EngineCore and worker processes skip the interpreter's teardown (~2 s of
+    garbage collection each, on the 2-core VM): their exit status and exit handlers stay."""
+    child = multiprocessing.get_context("spawn").Process(
+        target=_a_vllm_child_that_exits, args=(str(tmp_path), status), name=name
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == (status or 0)
+    assert (tmp_path / "marks").read_text() == marks
+
+
 def test_the_cpu_attention_path_is_vllms_own_pick_for_the_model():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
