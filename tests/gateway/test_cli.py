@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.conftest import ipc_address
+from tests.conftest import TEST_KV_CACHE_BYTES, ipc_address
 from tests.helpers import gone, kill_all
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -311,6 +311,8 @@ def test_a_lora_module_vllm_cannot_load_stops_the_start_naming_it(tmp_path):
         "0.2",
         "--max-model-len",
         "512",
+        "--kv-cache-memory-bytes",
+        str(TEST_KV_CACHE_BYTES),
         "--enable-lora",
         "--lora-module",
         f"good={good}",
