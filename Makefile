@@ -22,6 +22,7 @@ test-slow: setup
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: setup
 	$(PY) -m bench --quick
