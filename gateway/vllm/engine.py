@@ -172,7 +172,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
 
         if vllm_config is None:
             vllm_config = engine_config(engine_args)
-        set_engine_environment()
+        set_engine_environment(vllm_config)
         shared = dict(client_config or {})
         count, index = shared.pop("client_count", 1), shared.pop("client_index", 0)
         client = EngineCoreClient.make_async_mp_client(
