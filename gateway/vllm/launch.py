@@ -92,7 +92,7 @@ _KEEP_FREED_MEMORY = {
 }
 
 
-def set_engine_environment(vllm_config: Any = None) -> None:
+def set_engine_environment(vllm_config: Any) -> None:
     """Settings the engine processes started from here inherit (an operator's own value
     wins). ``THP_MEM_ALLOC_ENABLE=1``: torch backs each CPU allocation of 2 MiB or more
     with transparent huge pages where the kernel allows them (``madvise``, the usual
@@ -108,7 +108,7 @@ def set_engine_environment(vllm_config: Any = None) -> None:
     size of freed memory resident (docs/CONTROL.md)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     operator_set = any(name in os.environ for name in _KEEP_FREED_MEMORY)
-    if vllm_config is not None and not operator_set and _takes_cpu_weight_updates(vllm_config):
+    if not operator_set and _takes_cpu_weight_updates(vllm_config):
         os.environ.update(_KEEP_FREED_MEMORY)
 
 

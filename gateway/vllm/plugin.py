@@ -67,7 +67,7 @@ def load_vllm_plugin() -> None:
       drains on (``gateway.stop_signals``).
     - vLLM's EngineCore and worker processes exit without the interpreter's teardown,
       whose garbage collections over their whole heap took ~2 s of CPU each on the 2-core
-      VM (``_exit_without_a_last_collection``).
+      VM (``_exit_without_the_teardown``).
     - KV cache events on ipc endpoints work with data parallelism: rank r > 0 publishes
       at the endpoint plus ``_dp{r}`` (vLLM offsets tcp ports and refuses ipc), so the
       gateway's prefix routing (``--routing cache``) keeps its events off the network
@@ -84,7 +84,7 @@ def load_vllm_plugin() -> None:
     ignore_terminal_interrupt()  # under a gateway: it drains on Ctrl-C, not the engines
     _stop_engine_core_with_its_parent()
     _stop_dp_coordinator_with_its_parent()
-    _exit_without_a_last_collection()
+    _exit_without_the_teardown()
     _reload_weights_safely()
     _load_adapters_from_a_private_copy()
     guard_weight_updates()
@@ -241,10 +241,10 @@ def _stop_engine_core_with_its_parent() -> None:
     _parent_watched = watch_parent() is not None
 
 
-_VLLM_CHILD_PROCESS = re.compile(r"EngineCore(_DP\d+)?|VllmWorker-\d+")  # vLLM's names
+_VLLM_CHILD_PROCESS = re.compile(rf"{_ENGINE_CORE_PROCESS.pattern}|VllmWorker-\d+")  # and workers
 
 
-def _exit_without_a_last_collection() -> None:
+def _exit_without_the_teardown() -> None:
     """In vLLM's EngineCore and worker processes: once the process's work is over, end it
     with ``gateway.quick_exit``: its exit handlers run, the interpreter's teardown does
     not. vLLM unfreezes the garbage collector's heap in its shutdown (for engines run in

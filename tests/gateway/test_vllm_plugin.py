@@ -147,7 +147,7 @@ class _MarkedAtTeardown:
 def _a_vllm_child_that_exits(folder: str, status: int | None) -> None:
     import atexit
 
-    plugin._exit_without_a_last_collection()
+    plugin._exit_without_the_teardown()
     _MarkedAtTeardown(os.path.join(folder, "marks"))
 
     def mark_at_exit() -> None:
