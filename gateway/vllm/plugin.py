@@ -29,6 +29,7 @@ from ..process_exit import describe_process_exit
 from ..quick_exit import end_spawned_process_quickly
 from ..stop_signals import ignore_terminal_interrupt
 from .deaths import write_death_report
+from .kv_event_batches import batch_kv_events_when_asked
 from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
 from .weight_updates import (
     RELOAD_PART_WAY,
@@ -71,7 +72,9 @@ def load_vllm_plugin() -> None:
     - KV cache events on ipc endpoints work with data parallelism: rank r > 0 publishes
       at the endpoint plus ``_dp{r}`` (vLLM offsets tcp ports and refuses ipc), so the
       gateway's prefix routing (``--routing cache``) keeps its events off the network
-      (``_offset_ipc_kv_event_endpoints``).
+      (``_offset_ipc_kv_event_endpoints``); with ``ENGINE_GATEWAY_KV_EVENTS_INTERVAL_MS``
+      set (the gateway sets it for its own feed), a step's events are sent together with
+      the other steps' of the same interval, not one batch per step (``kv_event_batches``).
     - CLIP and SigLIP vision towers (PaliGemma) load without torchvision: vLLM's
       ``get_vision_encoder_info`` imported Pixtral's module first, which needs it
       (``client.vllm_wheel.vision_encoders_without_pixtral``).
@@ -92,6 +95,7 @@ def load_vllm_plugin() -> None:
     _register_cpu_weight_transfer()
     _report_worker_deaths()
     _offset_ipc_kv_event_endpoints()
+    batch_kv_events_when_asked()
     _count_encoder_cache_hits()
     vision_encoders_without_pixtral()
     from vllm.platforms import current_platform
