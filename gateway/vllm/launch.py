@@ -16,9 +16,7 @@ from typing import Any
 
 from ..loop_watched_socket import LoopWatchedSocket
 from ..process_exit import EXIT_POLL_S, describe_process_exit, exit_status
-from .args import publishes_to_the_gateways_feed
 from .deaths import death_report
-from .kv_event_batches import DEFAULT_INTERVAL_MS, INTERVAL_VARIABLE
 
 logger = logging.getLogger(__name__)
 
@@ -107,17 +105,11 @@ def set_engine_environment(vllm_config: Any) -> None:
     weights for oneDNN, every update builds each layer in fresh memory, then packs it into
     fresh memory again, and on the 2-core VM those page faults were half of a 1B update's
     time (4.3 s -> 2.2 s). The cost: the engine's worker keeps up to about one model's
-    size of freed memory resident (docs/CONTROL.md).
-
-    When the engines publish KV cache events for the gateway's own feed (``--routing
-    cache``), they send them at most every ``DEFAULT_INTERVAL_MS`` (``kv_event_batches``)
-    rather than once per step."""
+    size of freed memory resident (docs/CONTROL.md)."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     operator_set = any(name in os.environ for name in _KEEP_FREED_MEMORY)
     if not operator_set and _takes_cpu_weight_updates(vllm_config):
         os.environ.update(_KEEP_FREED_MEMORY)
-    if publishes_to_the_gateways_feed(vllm_config):
-        os.environ.setdefault(INTERVAL_VARIABLE, f"{DEFAULT_INTERVAL_MS:g}")
 
 
 def _takes_cpu_weight_updates(vllm_config: Any) -> bool:

@@ -73,8 +73,8 @@ def load_vllm_plugin() -> None:
       at the endpoint plus ``_dp{r}`` (vLLM offsets tcp ports and refuses ipc), so the
       gateway's prefix routing (``--routing cache``) keeps its events off the network
       (``_offset_ipc_kv_event_endpoints``); with ``ENGINE_GATEWAY_KV_EVENTS_INTERVAL_MS``
-      set (the gateway sets it for its own feed), a step's events are sent together with
-      the other steps' of the same interval, not one batch per step (``kv_event_batches``).
+      set (opt-in), a step's events are sent together with the other steps' of the same
+      interval, not one batch per step (``kv_event_batches``).
     - CLIP and SigLIP vision towers (PaliGemma) load without torchvision: vLLM's
       ``get_vision_encoder_info`` imported Pixtral's module first, which needs it
       (``client.vllm_wheel.vision_encoders_without_pixtral``).

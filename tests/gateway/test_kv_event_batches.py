@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -15,14 +14,11 @@ import zmq
 from gateway.kv_event_feed import KvEventFeed
 from gateway.prefix_index import PrefixIndex
 from gateway.vllm import patch_vllm_cpu_version
-from gateway.vllm.args import KV_EVENTS_FOLDER_PREFIX
 from gateway.vllm.kv_event_batches import (
-    DEFAULT_INTERVAL_MS,
     INTERVAL_VARIABLE,
     batch_kv_events_when_asked,
     interval_from_environment,
 )
-from gateway.vllm.launch import set_engine_environment
 
 
 @pytest.mark.parametrize(
@@ -177,43 +173,10 @@ async def test_the_gateways_feed_reads_and_replays_interval_batches(
         publisher.shutdown()
 
 
-@pytest.fixture
-def engine_environment(monkeypatch):
-    """The variables set_engine_environment may set, restored after the test."""
-    from gateway.vllm.launch import _KEEP_FREED_MEMORY
+def test_the_vllm_plugin_installs_it_when_the_environment_asks(vllm_publishers, monkeypatch):
+    """What runs in each engine process: vLLM's general plugin reads the variable."""
+    from gateway.vllm import load_vllm_plugin
 
-    for name in (INTERVAL_VARIABLE, "THP_MEM_ALLOC_ENABLE", *_KEEP_FREED_MEMORY):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    return monkeypatch
-
-
-def _engine_config(endpoint: str | None) -> SimpleNamespace:
-    events = None
-    if endpoint is not None:
-        events = SimpleNamespace(enable_kv_cache_events=True, endpoint=endpoint)
-    return SimpleNamespace(weight_transfer_config=None, kv_events_config=events)
-
-
-@pytest.mark.parametrize(
-    ("endpoint", "batched"),
-    [
-        (f"ipc:///tmp/{KV_EVENTS_FOLDER_PREFIX}x/kv", True),  # enable_kv_events's folder
-        ("ipc:///tmp/elsewhere/kv", False),  # an operator's own --kv-events-config
-        ("tcp://*:5557", False),
-        (None, False),
-    ],
-)
-def test_engines_batch_only_the_gateways_own_feed(engine_environment, endpoint, batched):
-    set_engine_environment(_engine_config(endpoint))
-    import os
-
-    assert os.environ.get(INTERVAL_VARIABLE) == (f"{DEFAULT_INTERVAL_MS:g}" if batched else None)
-
-
-def test_an_operators_interval_wins(engine_environment):
-    engine_environment.setenv(INTERVAL_VARIABLE, "0")
-    set_engine_environment(_engine_config(f"ipc:///tmp/{KV_EVENTS_FOLDER_PREFIX}x/kv"))
-    import os
-
-    assert os.environ[INTERVAL_VARIABLE] == "0"
+    monkeypatch.setenv(INTERVAL_VARIABLE, "5")
+    load_vllm_plugin()
+    assert vllm_publishers._registry["zmq"].engine_gateway_interval == 0.005
