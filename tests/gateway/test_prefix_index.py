@@ -2,7 +2,7 @@
 
 import msgspec
 
-from gateway.prefix_index import EventBatch, PrefixIndex, decode_batch
+from gateway.prefix_index import EventBatch, KvEvent, PrefixIndex, decode_batch
 
 
 def stored(hashes, parent=None, tokens=None, block_size=4, **more):
@@ -20,7 +20,8 @@ def stored(hashes, parent=None, tokens=None, block_size=4, **more):
 
 
 def batch(*events, rank=0):
-    return EventBatch(1.0, list(events), rank)
+    """A batch as the feed gets it: vLLM's msgpack form, through the index's decoder."""
+    return decode_batch(msgspec.msgpack.encode([1.0, list(events), rank]))
 
 
 def test_stored_removed_and_cleared_shape_each_ranks_prefix_matches():
@@ -76,7 +77,7 @@ def test_root_blocks_are_kept_for_the_hash_check_lora_blocks_are_not():
     index.apply(0, 0, batch(stored([9, 10], tokens=tokens, extra_keys=[("salt",), None])))
     index.apply(0, 1, batch(stored([20], parent=10, tokens=[1, 2, 3, 4])))  # not a root
     index.apply(0, 2, batch(stored([30], lora_name="ada")))  # events leave out its path
-    assert index.ranks[0].root_blocks_seen == [(9, [0, 1, 2, 3], ("salt",))]
+    assert index.ranks[0].root_blocks_seen == [(9, [0, 1, 2, 3], ["salt"])]
 
 
 def test_a_batch_decodes_from_vllms_msgpack_form():
@@ -115,12 +116,31 @@ def test_a_batch_that_cannot_be_applied_whole_resets_the_rank():
 
     index = PrefixIndex(1)
     index.apply(0, 0, batch(stored([1])))
-    broken = batch(stored([2]), {"type": "BlockRemoved", "block_hashes": 5})  # not a list
+    removed = KvEvent(type="BlockRemoved", block_hashes=5)  # not a list (unchecked here)
+    broken = EventBatch(1.0, [*batch(stored([2])).events, removed], 0)
     with pytest.raises(TypeError):
         index.apply(0, 1, broken)
     rank = index.ranks[0]
     assert rank.resets == 1 and rank.last_seq is None and index.matched_blocks([1]) == [0]
     assert index.check_sequence(0, 2) == "next"
+
+
+def test_a_batch_of_the_wrong_shape_is_refused_when_decoded():
+    """The decoder checks what the index reads: such a batch counts as malformed (the
+    feed then treats it as a lost batch); token ids are decoded only for a kept root."""
+    import pytest
+
+    for event in (
+        {"type": "BlockRemoved", "block_hashes": 5},
+        {"type": "BlockStored", "block_hashes": [1], "block_size": "four"},
+    ):
+        with pytest.raises(msgspec.ValidationError):
+            batch(event)
+    index = PrefixIndex(1)
+    index.apply(0, 0, batch(stored([1], parent=7, tokens=["not", "ids"])))  # not kept
+    assert index.matched_blocks([1]) == [1]
+    with pytest.raises(msgspec.ValidationError):  # kept for the hash check: decoded
+        index.apply(0, 1, batch(stored([2], tokens=["not", "ids"])))
 
 
 def test_clear_all_and_removals_of_other_groups_and_the_latest_block_size():
