@@ -232,4 +232,3 @@ class PrefixIndex:
             if index.block_size:
                 return index.block_size
         return None
-
