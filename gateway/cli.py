@@ -377,6 +377,18 @@ def _tiny_model_defaults(args: argparse.Namespace, argv: list[str]) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def _check_engine_environment() -> None:
+    """The variables the engine-gateway plugin reads in every vLLM process, checked here
+    first: vLLM loads the plugin while building the parser, where a bad value would stop
+    the start with a traceback instead of one line."""
+    from .vllm.kv_event_batches import interval_from_environment
+
+    try:
+        interval_from_environment()
+    except ValueError as exc:
+        raise UsageError(None, str(exc)) from None
+
+
 def _check_gateway_flags(argv: list[str]) -> None:
     """Check the gateway's flags in a fraction of a second, before importing vLLM (~10 s)."""
     quick = argparse.ArgumentParser(prog="engine-gateway serve", add_help=False)
@@ -496,6 +508,7 @@ def serve_main(argv: list[str]) -> int:
             )
     try:
         _check_gateway_flags(argv)
+        _check_engine_environment()
     except UsageError as exc:
         return _fail("serve", str(exc))
     args = build_parser().parse_args(argv)

@@ -113,6 +113,14 @@ def test_bad_flags_fail_fast_with_one_line_naming_the_flag(argv, fragments):
     assert elapsed < 8, f"took {elapsed:.1f}s: was vLLM imported or the engine started?"
 
 
+def test_a_bad_kv_event_interval_in_the_environment_is_one_line_naming_it():
+    """Read by the plugin in every vLLM process (gateway.vllm.kv_event_batches)."""
+    prelude = "import os; os.environ['ENGINE_GATEWAY_KV_EVENTS_INTERVAL_MS'] = 'five'"
+    code, _, err, elapsed = run_cli("serve", python_prelude=prelude)
+    assert_one_line_error(code, err, "ENGINE_GATEWAY_KV_EVENTS_INTERVAL_MS='five'", "0 to 1000")
+    assert elapsed < 8, f"took {elapsed:.1f}s: was vLLM imported or the engine started?"
+
+
 def test_model_folder_without_config_is_refused(tmp_path):
     code, _, err, elapsed = run_cli("serve", str(tmp_path))
     assert_one_line_error(code, err, str(tmp_path), "no config.json")
