@@ -9,6 +9,8 @@ process with ``--routing cache`` (vLLM's KV events on); each run swaps its route
 and starts from empty caches (ResetPrefixCache). Targets:
 
 - ``cache``: the gateway's prefix-cache routing (its defaults: prefix weight 16, guard 1.5,8);
+- ``approximate``: ``cache`` matching on the prompts the gateway placed
+  (``--routing-index approximate``) instead of the engines' KV events;
 - ``load``: vLLM's own DP balancer;
 - ``round-robin``;
 - ``hash``: the client pins each request by a hash of its routing key, or of its first block;
@@ -43,7 +45,7 @@ from typing import Any
 
 BLOCK = 32
 SIZES = {"large": 4096, "small": 160}  # KV blocks per rank
-POLICIES = ("cache", "load", "round-robin", "hash", "ceiling")
+POLICIES = ("cache", "approximate", "load", "round-robin", "hash", "ceiling")
 WORKLOADS = ("shared_prefix", "multi_turn", "grpo", "zipf", "unique")
 CONCURRENCY = 8
 VOCAB = (4, 500)
@@ -353,12 +355,15 @@ async def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def _router_config(policy: str) -> Any:
-    """``cache``, ``load``, ``round-robin``; ``hash`` and ``ceiling`` leave the rank to the
-    client or to the one engine; ``cache:W:RATIO:SLACK`` sets the prefix weight and guard."""
+    """``cache``, ``approximate``, ``load``, ``round-robin``; ``hash`` and ``ceiling`` leave
+    the rank to the client or to the one engine; ``cache:W:RATIO:SLACK`` sets the prefix
+    weight and guard."""
     from gateway.routing import RoutingConfig
 
     if policy in ("hash", "ceiling"):
         return RoutingConfig("load")
+    if policy == "approximate":
+        return RoutingConfig("cache", index="approximate")
     if policy.startswith("cache:"):
         weight, ratio, slack = (float(x) for x in policy.split(":")[1:])
         return RoutingConfig("cache", weight, ratio, slack)

@@ -34,7 +34,7 @@ from .preflight import (
     check_model,
     gateway_bind_addresses,
 )
-from .routing import ROUTING_POLICIES, RoutingConfig
+from .routing import ROUTING_INDEXES, ROUTING_POLICIES, RoutingConfig
 from .serve import EXIT_START_FAILED, gateway_version, run_gateway
 from .sessions import GatewayLimits
 from .weight_buffers import DEFAULT_ARENA_BYTES as DEFAULT_WEIGHT_ARENA_BYTES
@@ -300,6 +300,16 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         " round-robin (bench/results/routing.md)",
     )
     g.add_argument(
+        "--routing-index",
+        choices=ROUTING_INDEXES,
+        default="events",
+        help="cache: where it learns which rank holds what. events (default): the engines'"
+        " KV events, exact; approximate: the prompts this gateway sent to each rank, counted"
+        " against the rank's KV-cache blocks; the engines publish no events (no cost on"
+        " them, nothing to connect), but generated tokens, other gateways' placements and"
+        " vLLM's evictions go unseen",
+    )
+    g.add_argument(
         "--routing-prefix-weight",
         type=bounded(float, 0.0, 1e6),
         default=RoutingConfig.prefix_weight,
@@ -430,7 +440,7 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
     try:
         engine_args = engine_args_from_namespace(args)
         _choose_routing(args, engine_args)
-        if args.routing == "cache":
+        if args.routing == "cache" and args.routing_index == "events":
             enable_kv_events(engine_args)
         count, index = args.gateway_count, -1 if args.gateway_count > 1 else 0
         config = engine_config(engine_args, count, index)
@@ -444,7 +454,9 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
             # vLLM turned prefix caching off for this model: no events to route by.
             logger.info("routing: load (vLLM keeps no prefix cache for this model)")
             remove_kv_events_folder(config)
-            args.routing, engine_args.kv_events_config = "load", None
+            args.routing = "load"
+            if args.routing_index == "events":
+                engine_args.kv_events_config = None
             config = engine_config(engine_args, count, index)
     except UsageError:
         raise
@@ -458,6 +470,10 @@ def _choose_routing(args: argparse.Namespace, engine_args: Any) -> None:
     publish their KV events to the gateway, else ``load`` (said in the log). Sets
     ``args.routing`` and ``args.routing_by_default`` (gateways of a group get both)."""
     args.routing_by_default = args.routing is None
+    if args.routing_index != "events" and args.routing not in (None, "cache"):
+        raise UsageError(
+            "--routing-index", f"is where --routing cache reads its matches, not {args.routing}"
+        )
     if args.routing is not None:
         return
     own_events = getattr(engine_args, "kv_events_config", None)
@@ -466,7 +482,11 @@ def _choose_routing(args: argparse.Namespace, engine_args: Any) -> None:
     elif engine_args.enable_prefix_caching is False:
         args.routing = "load"
         logger.info("routing: load (--no-enable-prefix-caching: no cache to route by)")
-    elif own_events is not None and getattr(own_events, "enable_kv_cache_events", False):
+    elif (
+        args.routing_index == "events"
+        and own_events is not None
+        and getattr(own_events, "enable_kv_cache_events", False)
+    ):
         args.routing = "load"
         logger.info(
             "routing: load (--kv-events-config is given: the engines publish where it says,"

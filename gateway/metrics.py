@@ -191,6 +191,14 @@ def _routing_families(p: str, r: dict) -> Iterator:
     )
     policy.add_metric([r["policy"]], 1)
     yield policy
+    if r.get("index"):
+        index = GaugeMetricFamily(
+            p + "routing_prefix_index",
+            "1: where cache routing reads which rank holds what (events, approximate)",
+            labels=["kind"],
+        )
+        index.add_metric([r["index"]], 1)
+        yield index
     per_rank = (
         (GaugeMetricFamily, "prefix_index_blocks", "Block hashes the index holds", "index_blocks"),
         (GaugeMetricFamily, "prefix_index_synced", "1: the index saw every event", "synced"),

@@ -21,6 +21,11 @@ data-parallel ranks, ``load`` with one, and ``load`` where ``cache`` cannot run,
   the least loaded rank takes the request instead. If any rank's index is unsynced (a
   gap being refilled, a restart) or the hashes failed their check, the request goes by
   load alone (``fallback``).
+
+Where ``cache`` reads its matches (``--routing-index``): ``events`` (the default), the
+engines' KV events (``PrefixIndex``: exact, and every gateway sees every rank); or
+``approximate``, the prompts this gateway itself placed on each rank
+(``ApproximateIndex``: no events, so no cost on the engines, but a guess).
 """
 
 from __future__ import annotations
@@ -30,9 +35,17 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ROUTING_POLICIES", "Decision", "Router", "RoutingConfig", "reusable_blocks"]
+__all__ = [
+    "ROUTING_INDEXES",
+    "ROUTING_POLICIES",
+    "Decision",
+    "Router",
+    "RoutingConfig",
+    "reusable_blocks",
+]
 
 ROUTING_POLICIES = ("load", "cache", "round-robin")
+ROUTING_INDEXES = ("events", "approximate")
 REASONS = ("matched", "sticky", "load", "balance_guard", "fallback", "round_robin")
 
 
@@ -60,10 +73,14 @@ class RoutingConfig:
     # (a rank publishes no KV events), the gateway routes by load and says so rather than
     # refuse to start.
     by_default: bool = False
+    # Where ``cache`` reads which rank holds what (see the module docstring).
+    index: str = "events"
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}")
+        if self.index not in ROUTING_INDEXES:
+            raise ValueError(f"routing index must be one of {ROUTING_INDEXES}")
 
     @classmethod
     def from_args(cls, args: Any) -> RoutingConfig:
@@ -76,6 +93,7 @@ class RoutingConfig:
             slack,
             max_prefix_blocks=args.routing_max_blocks,
             by_default=getattr(args, "routing_by_default", False),
+            index=getattr(args, "routing_index", "events"),
         )
 
 

@@ -1,8 +1,9 @@
 """Prefix-cache-aware routing over data-parallel ranks, mixed into ``VllmEngine``.
 
 Owns the ``Router`` (gateway/routing.py), the ``PrefixIndex`` and the ``KvEventFeed``
-that fills it from vLLM's KV events, and the ``PrefixHasher`` that hashes prompts as the
-engines do. ``_route`` places one processed request (before it is copied into its n
+that fills it from vLLM's KV events (or, with ``--routing-index approximate``, the
+``ApproximateIndex`` of what this gateway placed), and the ``PrefixHasher`` that hashes
+prompts as the engines do. ``_route`` places one processed request (before it is copied into its n
 samples, which so stay on one rank); ``prefix_match`` answers PrefixQuery; each step's
 prefill stats give the index's accuracy (predicted against vLLM's ``num_cached_tokens``).
 """
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 from typing import Any
 
+from ..approximate_index import ApproximateIndex
 from ..kv_event_feed import KvEventFeed
 from ..prefix_index import PrefixIndex
 from ..routing import Decision, Router, RoutingConfig, reusable_blocks
@@ -51,6 +54,7 @@ class PrefixRouting:
         """No routing (``_start_routing`` sets it up)."""
         self.router: Router | None = None
         self.prefix_index: PrefixIndex | None = None
+        self.approximate_index: ApproximateIndex | None = None
         self.kv_feed: KvEventFeed | None = None
         self._hasher: PrefixHasher | None = None
         self._hash_check: bool | None = None  # None: no published block checked yet
@@ -61,6 +65,9 @@ class PrefixRouting:
         """Set up ``config``'s policy; with KV events on, bind the feed (before the
         engines take requests: nothing they publish is missed)."""
         ranks = self._vllm_config.parallel_config.data_parallel_size
+        if config.policy == "cache" and config.index == "approximate":
+            self.router = Router(ranks, config)  # its index is made at the first request
+            return
         sources = self._client.get_kv_event_sources()
         silent = [
             rank
@@ -107,11 +114,15 @@ class PrefixRouting:
         router = self.router
         if router is None or router.ranks == 1 or core_request.data_parallel_rank is not None:
             return None
+        placed: list | None = None  # approximate: the prompt's block hashes, to record
         if router.config.policy != "cache":
             decision = router.choose(None, (), 0, 0, routing_key)
         else:
             prompt_len = len(core_request.prompt_token_ids or ())
-            matched, block_size = self._matched_blocks(core_request)
+            if router.config.index == "approximate":
+                matched, block_size, placed = self._approximate_matches(core_request)
+            else:
+                matched, block_size = self._matched_blocks(core_request)
             if matched is not None and _skips_reading_the_cache(core_request):
                 # vLLM computes its whole prompt (prompt logprobs): no rank gives it a hit.
                 matched = [None if m is None else 0 for m in matched]
@@ -125,6 +136,8 @@ class PrefixRouting:
         if decision.rank is not None:
             core_request.data_parallel_rank = decision.rank
             self._count_as_waiting(decision.rank)
+            if placed and self.approximate_index is not None:
+                self.approximate_index.record(decision.rank, placed)
         return decision
 
     def _count_as_waiting(self, rank: int) -> None:
@@ -140,6 +153,8 @@ class PrefixRouting:
         """Every engine's prefix cache was reset."""
         if self.prefix_index is not None:
             self.prefix_index.clear_all()
+        if self.approximate_index is not None:
+            self.approximate_index.clear()
 
     def _moved_prediction(self, request_id: str, sample_ids: list[str]) -> None:
         """A request split into n samples: each sample carries the prediction."""
@@ -149,6 +164,9 @@ class PrefixRouting:
                 predicted[sample_id] = tokens
 
     def _matched_blocks(self, core_request: Any) -> tuple[list[int | None] | None, int]:
+        if self.router is not None and self.router.config.index == "approximate":
+            matched, block_size, _ = self._approximate_matches(core_request)
+            return matched, block_size
         index, hasher = self.prefix_index, self._hasher
         if index is None or hasher is None:
             return None, 0
@@ -160,6 +178,30 @@ class PrefixRouting:
         hashes = hasher.iter_block_hashes(core_request, block_size)
         limit = self.router.config.max_prefix_blocks if self.router is not None else None
         return index.matched_blocks(hashes, limit), block_size
+
+    def _approximate_matches(self, core_request: Any) -> tuple[list[int | None], int, list]:
+        """Per rank, the prompt's leading blocks this gateway placed there; the block size;
+        the prompt's block hashes (up to ``max_prefix_blocks``), for ``record``. Our own
+        hashes against our own: no engine's seed or algorithm has to be reproduced."""
+        index, hasher = self._approximate_setup()
+        block_size = hasher.block_size or 0
+        if not block_size:
+            return [None] * len(index.ranks), 0, []
+        limit = self.router.config.max_prefix_blocks if self.router is not None else None
+        hashes = list(itertools.islice(hasher.iter_block_hashes(core_request), limit))
+        matched: list[int | None] = list(index.matched_blocks(hashes))
+        return matched, block_size, hashes
+
+    def _approximate_setup(self) -> tuple[ApproximateIndex, PrefixHasher]:
+        """The approximate index (sized by each rank's KV-cache blocks, known once the
+        engines are up) and the hasher, made on first use."""
+        if self._hasher is None:
+            self._hasher = PrefixHasher(self._vllm_config)
+        if self.approximate_index is None:
+            ranks = self._vllm_config.parallel_config.data_parallel_size
+            total = self._vllm_config.cache_config.num_gpu_blocks or 0  # summed over ranks
+            self.approximate_index = ApproximateIndex(ranks, total // ranks)
+        return self.approximate_index, self._hasher
 
     def _hashes_usable(self) -> bool:
         """Our hashes are the engines' (checked on the first blocks they published)."""
@@ -219,10 +261,16 @@ class PrefixRouting:
             return None
         index, feed, accuracy = self.prefix_index, self.kv_feed, self.routing_accuracy
         ranks = index.ranks if index is not None else []
+        approximate = self.approximate_index
         return {
             "policy": router.config.policy,
+            "index": router.config.index if router.config.policy == "cache" else None,
             "decisions": dict(router.decisions),
-            "index_blocks": [len(rank.blocks) for rank in ranks],
+            "index_blocks": (
+                approximate.sizes()
+                if approximate is not None and router.config.index == "approximate"
+                else [len(rank.blocks) for rank in ranks]
+            ),
             "synced": [rank.synced for rank in ranks],
             "feed_connected": [rank.connected for rank in ranks],
             "feed_disconnects": [rank.disconnects for rank in ranks],

@@ -157,6 +157,9 @@ def test_scaled_targets_name_their_engines_and_frontends_and_report_against_the_
     assert scaled_target("gateway-dp2-load") == ("gateway", 2, 1)
     assert target_routing_flags("gateway-dp2-x2-load") == ("--routing", "load")
     assert target_routing_flags("gateway-dp2") == ()  # the gateway's default
+    assert target_routing_flags("gateway-dp2-approximate") == (
+        "--routing", "cache", "--routing-index", "approximate",
+    )  # fmt: skip
     for plain in ("gateway-ipc", "vllm-http", "direct", "gateway-dp1", "gateway-dp8-y2"):
         assert scaled_target(plain) is None
     for wrong in ("vllm-http-dp2-load", "gateway-dp2-hash", "gateway-load"):

@@ -379,6 +379,21 @@ def test_with_several_gateways_a_busy_metrics_port_is_a_usage_error_before_engin
         (["--data-parallel-size", "2", "--routing", "load"], "load", False, False),
         (["--data-parallel-size", "2", "--routing", "round-robin"], "round-robin", False, False),
         (["--routing", "cache"], "cache", False, True),
+        # The approximate index needs no events: the engines publish none.
+        (["--data-parallel-size", "2", "--routing-index", "approximate"], "cache", True, False),
+        (
+            [
+                "--data-parallel-size",
+                "2",
+                "--routing-index",
+                "approximate",
+                "--kv-events-config",
+                '{"enable_kv_cache_events": true}',
+            ],
+            "cache",
+            True,
+            True,  # the operator's events go where they say; routing needs none of them
+        ),
     ],
 )
 def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
@@ -405,6 +420,16 @@ def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
             assert kv_events.endpoint.startswith("ipc://"), kv_events.endpoint
     finally:
         remove_kv_events_folder(config)
+
+
+def test_a_routing_index_with_a_policy_other_than_cache_is_one_usage_line():
+    """--routing-index says where ``cache`` reads its matches: with --routing load it would
+    be silently ignored, so it is refused, naming the flag (no engine started)."""
+    code, _, err, _ = run_cli(
+        "serve", "--data-parallel-size", "2", "--routing", "load", "--routing-index",
+        "approximate",
+    )  # fmt: skip
+    assert_one_line_error(code, err, "--routing-index", "--routing cache")
 
 
 def test_the_engines_socket_folder_is_private_removed_and_never_the_operators(

@@ -303,3 +303,49 @@ async def test_cache_isolation_keeps_each_clients_prefix_cache_its_own(routed):
             assert (await a.complete(prompt, GREEDY)).cached_tokens == 3 * BLOCK
     finally:
         routed.table.cache_isolation = False
+
+
+async def test_the_approximate_index_routes_a_shared_prefix_by_what_the_gateway_placed(
+    client, routed
+):
+    """``--routing-index approximate`` (the router swapped on this gateway, as
+    bench/routing.py does): matches come from the prompts the gateway itself sent, with no
+    event awaited; the second request of a prefix goes where the first went, vLLM reports
+    the hit it predicted, and a reset of the prefix cache forgets them."""
+    from gateway.routing import Router
+
+    engine = routed.engine
+    events_router = engine.router
+    engine.router = Router(2, RoutingConfig("cache", index="approximate"))
+    try:
+        ranks_seen = set()
+        for _ in range(4):
+            prefix = fresh_prompt(3, extra=0)
+            await client.complete(prefix + [7] * 9, GREEDY)
+            extended = prefix + [8] * 40
+            # At once: the gateway recorded the placement when it made it.
+            matched = (await client.prefix_query(extended)).matched_tokens
+            rank = holder(matched)
+            ranks_seen.add(rank)
+            assert matched[rank] == 3 * BLOCK
+            exact_before = engine.routing_accuracy.exact
+
+            done = await client.complete(extended, GREEDY)
+
+            assert done.cached_tokens == 3 * BLOCK
+            assert engine.routing_accuracy.exact == exact_before + 1
+            after = (await client.prefix_query(extended)).matched_tokens
+            assert after == [4 * BLOCK if r == rank else 0 for r in range(2)]
+        assert ranks_seen == {0, 1}  # fresh prompts went by load
+        assert engine.router.decisions["matched"] == 4
+        index = engine.approximate_index
+        assert index.capacity_blocks == CACHE_BLOCKS  # each rank's own KV-cache blocks
+        assert engine.routing_stats()["index"] == "approximate"
+        assert engine.routing_stats()["index_blocks"] == index.sizes()
+
+        await client.reset_prefix_cache()
+
+        assert index.sizes() == [0, 0]
+        assert (await client.prefix_query(extended)).matched_tokens == [0, 0]
+    finally:
+        engine.router = events_router

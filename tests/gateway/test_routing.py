@@ -185,6 +185,27 @@ def test_cache_by_default_routes_by_load_where_a_rank_publishes_no_kv_events(cap
     assert ("eg_routing_policy", "cache") not in samples
 
 
+def test_the_approximate_index_starts_without_kv_events_and_metrics_name_it():
+    """``--routing-index approximate`` needs no rank's events: ``cache`` starts where the
+    events index would refuse, with no feed, and /metrics says which index is in force."""
+    from gateway.metrics import _routing_families
+
+    routing = _routing_with_silent_ranks()
+    routing._start_routing(RoutingConfig("cache", index="approximate"))
+    assert routing.kv_feed is None and routing.prefix_index is None
+    assert routing.router.config.policy == "cache"
+    stats = routing.routing_stats()
+    assert stats["index"] == "approximate"
+    samples = {
+        (sample.name, sample.labels.get("kind")): sample.value
+        for family in _routing_families("eg_", stats)
+        for sample in family.samples
+    }
+    assert samples[("eg_routing_prefix_index", "approximate")] == 1.0
+    with pytest.raises(ValueError, match="routing index"):
+        RoutingConfig("cache", index="guess")
+
+
 def test_the_kv_events_folder_is_removed_only_when_enable_kv_events_made_it(tmp_path):
     """The supervisor of a gateway group (and a single gateway) removes the private folder
     of its engines' ipc event sockets at exit, and never a folder it did not make."""

@@ -1,0 +1,74 @@
+"""What the gateway itself placed on each data-parallel rank, as a prefix index (sans-IO).
+
+``--routing-index approximate``: instead of reading vLLM's KV events (``PrefixIndex``), the
+gateway records the block hashes of each prompt it sends to a rank and counts them against
+that rank's KV-cache blocks, the least recently routed dropped first. The engines publish
+nothing, so neither their busy loops nor the gateway pay for events, and nothing has to
+reach the gateway from the ranks; the price is that it is a guess. It holds the prompts'
+blocks but not the blocks of generated tokens (a conversation's next turn matches up to its
+previous turn's prompt), and sees neither other gateways' placements nor vLLM's own
+evictions and preemptions: under memory pressure it can predict a hit that vLLM no longer
+holds. Its predictions are still checked against vLLM's ``num_cached_tokens``, as the
+events index's are.
+
+A prompt's blocks are touched last block first, so that its first block is the most
+recently used: as in vLLM, which frees a request's blocks tail first, a prefix loses its
+ends before its root, and what stays is still a matchable chain.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Iterable, Sequence
+
+__all__ = ["ApproximateIndex"]
+
+
+class ApproximateIndex:
+    """Per rank, the block hashes of the prompts routed there, at most ``capacity_blocks``."""
+
+    def __init__(self, ranks: int, capacity_blocks: int):
+        if ranks < 1:
+            raise ValueError("ranks must be at least 1")
+        self.capacity_blocks = max(1, capacity_blocks)
+        self.ranks: list[collections.OrderedDict[Hashable, None]] = [
+            collections.OrderedDict() for _ in range(ranks)
+        ]
+
+    def matched_blocks(
+        self, hashes: Iterable[Hashable], max_blocks: int | None = None
+    ) -> list[int]:
+        """Per rank: how many of ``hashes`` (a prompt's chained block hashes, in order) it
+        holds as a prefix. Stops at the first hash no rank holds, or at ``max_blocks``."""
+        out = [0] * len(self.ranks)
+        holding = list(enumerate(self.ranks))
+        if max_blocks == 0:
+            return out
+        for taken, h in enumerate(hashes, 1):
+            holding = [(rank, blocks) for rank, blocks in holding if h in blocks]
+            for rank, _ in holding:
+                out[rank] += 1
+            if not holding or taken == max_blocks:
+                break
+        return out
+
+    def record(self, rank: int, hashes: Sequence[Hashable]) -> None:
+        """A prompt with these block hashes was sent to ``rank``: its blocks are now the
+        rank's most recently used (first block most of all); the oldest go past capacity."""
+        blocks = self.ranks[rank]
+        for h in reversed(hashes):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        """Every rank's prefix cache was reset."""
+        for blocks in self.ranks:
+            blocks.clear()
+
+    def sizes(self) -> list[int]:
+        """Block hashes held per rank."""
+        return [len(blocks) for blocks in self.ranks]

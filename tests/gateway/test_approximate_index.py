@@ -1,0 +1,61 @@
+"""The approximate prefix index: what the gateway placed on each rank (sans-IO)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.approximate_index import ApproximateIndex
+
+
+def test_a_prompt_placed_on_a_rank_matches_there_as_a_prefix_and_nowhere_else():
+    # Hashes are chained (each names its parent's), so a block's hash is its whole prefix.
+    index = ApproximateIndex(2, capacity_blocks=100)
+    index.record(1, ["a", "b", "c"])
+    assert index.matched_blocks(["a", "b", "c", "d"]) == [0, 3]
+    assert index.matched_blocks(["a", "x", "c"]) == [0, 1]  # a chain: stops at a miss
+    assert index.matched_blocks(["a", "b", "c"], max_blocks=2) == [0, 2]
+    assert index.matched_blocks(["a"], max_blocks=0) == [0, 0]
+    assert index.sizes() == [0, 3]
+
+
+def test_matching_stops_hashing_at_the_first_block_no_rank_holds():
+    index = ApproximateIndex(2, capacity_blocks=100)
+    index.record(0, ["a"])
+    taken = []
+
+    def lazy():
+        for h in ["a", "b", "c", "d"]:
+            taken.append(h)
+            yield h
+
+    assert index.matched_blocks(lazy()) == [1, 0]
+    assert taken == ["a", "b"]
+
+
+def test_past_capacity_the_least_recently_routed_go_tail_first():
+    """A rank holds at most its KV-cache blocks; a prompt's ends go before its root (as
+    vLLM frees a request's blocks tail first), so what stays still matches."""
+    index = ApproximateIndex(1, capacity_blocks=4)
+    index.record(0, ["a1", "a2", "a3"])
+    index.record(0, ["b1", "b2"])  # one over: a3, the oldest prompt's tail, goes
+    assert index.matched_blocks(["a1", "a2", "a3"]) == [2]
+    assert index.matched_blocks(["b1", "b2"]) == [2]
+    index.record(0, ["a1", "a2"])  # used again: now the newest
+    index.record(0, ["c1", "c2"])  # b2, then b1 go
+    assert index.matched_blocks(["a1", "a2"]) == [2]
+    assert index.matched_blocks(["b1"]) == [0]
+    assert index.sizes() == [4]
+
+
+def test_clear_forgets_every_rank():
+    index = ApproximateIndex(2, capacity_blocks=10)
+    index.record(0, ["a"])
+    index.record(1, ["a"])
+    index.clear()
+    assert index.matched_blocks(["a"]) == [0, 0] and index.sizes() == [0, 0]
+
+
+def test_at_least_one_rank_and_one_block():
+    with pytest.raises(ValueError):
+        ApproximateIndex(0, 10)
+    assert ApproximateIndex(1, 0).capacity_blocks == 1
