@@ -112,14 +112,20 @@ class PrefixRouting:
     def _route(self, core_request: Any, routing_key: str | None) -> Decision | None:
         """Choose the rank of an unpinned request (sets ``data_parallel_rank``)."""
         router = self.router
-        if router is None or router.ranks == 1 or core_request.data_parallel_rank is not None:
+        if router is None or router.ranks == 1:
+            return None
+        approximate = router.config.policy == "cache" and router.config.index == "approximate"
+        if core_request.data_parallel_rank is not None:
+            if approximate:  # its prompt will be cached where it was pinned: note it
+                _, _, placed = self._approximate_matches(core_request)
+                self._record_placement(core_request.data_parallel_rank, placed)
             return None
         placed: list | None = None  # approximate: the prompt's block hashes, to record
         if router.config.policy != "cache":
             decision = router.choose(None, (), 0, 0, routing_key)
         else:
             prompt_len = len(core_request.prompt_token_ids or ())
-            if router.config.index == "approximate":
+            if approximate:
                 matched, block_size, placed = self._approximate_matches(core_request)
             else:
                 matched, block_size = self._matched_blocks(core_request)
@@ -136,9 +142,14 @@ class PrefixRouting:
         if decision.rank is not None:
             core_request.data_parallel_rank = decision.rank
             self._count_as_waiting(decision.rank)
-            if placed and self.approximate_index is not None:
-                self.approximate_index.record(decision.rank, placed)
+            self._record_placement(decision.rank, placed)
         return decision
+
+    def _record_placement(self, rank: int, placed: list | None) -> None:
+        """Approximate index: the prompt with these block hashes was sent to ``rank``."""
+        index = self.approximate_index
+        if placed and index is not None and 0 <= rank < len(index.ranks):
+            index.record(rank, placed)
 
     def _count_as_waiting(self, rank: int) -> None:
         """As vLLM's balancer does for its own picks: count the request as waiting on its

@@ -311,7 +311,8 @@ async def test_the_approximate_index_routes_a_shared_prefix_by_what_the_gateway_
     """``--routing-index approximate`` (the router swapped on this gateway, as
     bench/routing.py does): matches come from the prompts the gateway itself sent, with no
     event awaited; the second request of a prefix goes where the first went, vLLM reports
-    the hit it predicted, and a reset of the prefix cache forgets them."""
+    the hit it predicted, a pinned request's prompt is noted on its rank, and a reset of
+    the prefix cache forgets them."""
     from gateway.routing import Router
 
     engine = routed.engine
@@ -342,6 +343,11 @@ async def test_the_approximate_index_routes_a_shared_prefix_by_what_the_gateway_
         assert index.capacity_blocks == CACHE_BLOCKS  # each rank's own KV-cache blocks
         assert engine.routing_stats()["index"] == "approximate"
         assert engine.routing_stats()["index_blocks"] == index.sizes()
+        # A pinned request is not routed, but its prompt is cached where it went: noted.
+        pinned = fresh_prompt(2)
+        await client.complete(pinned, GREEDY, options=RequestOptions(data_parallel_rank=1))
+        assert (await client.prefix_query(pinned)).matched_tokens == [0, 2 * BLOCK]
+        assert (await client.complete(pinned, GREEDY)).cached_tokens == 2 * BLOCK
 
         await client.reset_prefix_cache()
 
