@@ -11,6 +11,11 @@ evictions and preemptions: under memory pressure it can predict a hit that vLLM 
 holds. Its predictions are still checked against vLLM's ``num_cached_tokens``, as the
 events index's are.
 
+Its hashes are its own (``chained_block_hashes``: Python's tuple hash, chained block to
+block from a seed of the request's LoRA and cache salt), about 0.5 µs a block against
+vLLM's ~12 µs: every placed prompt is hashed whole (up to ``--routing-max-blocks``), not only
+to its first unmatched block, and no engine has to agree with them.
+
 A prompt's blocks are touched last block first, so that its first block is the most
 recently used: as in vLLM, which frees a request's blocks tail first, a prefix loses its
 ends before its root, and what stays is still a matchable chain.
@@ -21,7 +26,25 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable, Iterable, Sequence
 
-__all__ = ["ApproximateIndex"]
+__all__ = ["ApproximateIndex", "chained_block_hashes"]
+
+
+def chained_block_hashes(
+    tokens: Sequence[int], block_size: int, seed: Hashable, limit: int | None = None
+) -> list[int]:
+    """One hash per full block of ``tokens``, each of its block's tokens and the hash
+    before it (the first: of ``seed``), so equal hashes mean equal prefixes; at most
+    ``limit``. Valid within one process (``seed``'s strings hash per process)."""
+    hashes: list[int] = []
+    if block_size <= 0 or limit == 0:
+        return hashes
+    parent = hash(seed)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, *tokens[start : start + block_size]))
+        hashes.append(parent)
+        if len(hashes) == limit:
+            break
+    return hashes
 
 
 class ApproximateIndex:

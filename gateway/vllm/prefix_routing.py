@@ -16,7 +16,7 @@ import itertools
 import logging
 from typing import Any
 
-from ..approximate_index import ApproximateIndex
+from ..approximate_index import ApproximateIndex, chained_block_hashes
 from ..kv_event_feed import KvEventFeed
 from ..prefix_index import PrefixIndex
 from ..routing import Decision, Router, RoutingConfig, reusable_blocks
@@ -192,27 +192,32 @@ class PrefixRouting:
 
     def _approximate_matches(self, core_request: Any) -> tuple[list[int | None], int, list]:
         """Per rank, the prompt's leading blocks this gateway placed there; the block size;
-        the prompt's block hashes (up to ``max_prefix_blocks``), for ``record``. Our own
-        hashes against our own: no engine's seed or algorithm has to be reproduced."""
-        index, hasher = self._approximate_setup()
-        block_size = hasher.block_size or 0
-        if not block_size:
-            return [None] * len(index.ranks), 0, []
+        the prompt's block hashes (up to ``max_prefix_blocks``), for ``record``: our own
+        (``chained_block_hashes``), or vLLM's where multimodal items are part of a block's."""
+        index = self._approximate_setup()
+        block_size = self._vllm_config.cache_config.block_size or 0
         limit = self.router.config.max_prefix_blocks if self.router is not None else None
-        hashes = list(itertools.islice(hasher.iter_block_hashes(core_request), limit))
+        if core_request.mm_features:
+            if self._hasher is None:
+                self._hasher = PrefixHasher(self._vllm_config)
+            blocks = self._hasher.iter_block_hashes(core_request, block_size)
+            hashes: list = list(itertools.islice(blocks, limit))
+        else:
+            lora = core_request.lora_request
+            seed = (lora.lora_name if lora is not None else None, core_request.cache_salt)
+            tokens = core_request.prompt_token_ids or ()
+            hashes = chained_block_hashes(tokens, block_size, seed, limit)
         matched: list[int | None] = list(index.matched_blocks(hashes))
         return matched, block_size, hashes
 
-    def _approximate_setup(self) -> tuple[ApproximateIndex, PrefixHasher]:
-        """The approximate index (sized by each rank's KV-cache blocks, known once the
-        engines are up) and the hasher, made on first use."""
-        if self._hasher is None:
-            self._hasher = PrefixHasher(self._vllm_config)
+    def _approximate_setup(self) -> ApproximateIndex:
+        """The approximate index, sized by each rank's KV-cache blocks (known once the
+        engines are up), made on first use."""
         if self.approximate_index is None:
             ranks = self._vllm_config.parallel_config.data_parallel_size
             total = self._vllm_config.cache_config.num_gpu_blocks or 0  # summed over ranks
             self.approximate_index = ApproximateIndex(ranks, total // ranks)
-        return self.approximate_index, self._hasher
+        return self.approximate_index
 
     def _hashes_usable(self) -> bool:
         """Our hashes are the engines' (checked on the first blocks they published)."""

@@ -59,3 +59,22 @@ def test_at_least_one_rank_and_one_block():
     with pytest.raises(ValueError):
         ApproximateIndex(0, 10)
     assert ApproximateIndex(1, 0).capacity_blocks == 1
+
+
+def test_chained_hashes_name_whole_prefixes_of_full_blocks():
+    from gateway.approximate_index import chained_block_hashes
+
+    tokens = list(range(100, 150))  # 3 full blocks of 16 and 2 tokens
+    hashes = chained_block_hashes(tokens, 16, ("lora-a", None))
+    assert len(hashes) == 3 and len(set(hashes)) == 3
+    # The same prefix, whatever follows: the same chain as far as it goes.
+    assert chained_block_hashes(tokens[:33] + [7] * 20, 16, ("lora-a", None))[:2] == hashes[:2]
+    # One token changed in the first block changes every hash after it.
+    changed = [999] + tokens[1:]
+    assert not set(chained_block_hashes(changed, 16, ("lora-a", None))) & set(hashes)
+    # Another LoRA or cache salt: another chain.
+    assert chained_block_hashes(tokens, 16, ("lora-b", None))[0] != hashes[0]
+    assert chained_block_hashes(tokens, 16, ("lora-a", "salt"))[0] != hashes[0]
+    assert chained_block_hashes(tokens, 16, ("lora-a", None), limit=2) == hashes[:2]
+    assert chained_block_hashes(tokens[:15], 16, None) == []
+    assert chained_block_hashes(tokens, 0, None) == []
