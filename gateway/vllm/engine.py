@@ -411,6 +411,8 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         self._check_sleep_mode()
         with _engine_death_named(self._engine_pids):
             await self._client.sleep_async(level)
+        if level >= 1:  # vLLM dropped its KV cache (the events index hears it from vLLM)
+            self._approximate_cache_dropped()
 
     async def wake_up(self, tags: list[str] | None) -> None:
         self._check_sleep_mode()

@@ -167,6 +167,12 @@ class PrefixRouting:
         if self.approximate_index is not None:
             self.approximate_index.clear()
 
+    def _approximate_cache_dropped(self) -> None:
+        """Every engine dropped its prefix cache without a reset from the gateway (Sleep):
+        the approximate index forgets (the events index reads vLLM's AllBlocksCleared)."""
+        if self.approximate_index is not None:
+            self.approximate_index.clear()
+
     def _moved_prediction(self, request_id: str, sample_ids: list[str]) -> None:
         """A request split into n samples: each sample carries the prediction."""
         predicted = self._predicted

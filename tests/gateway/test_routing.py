@@ -254,3 +254,30 @@ def test_routing_metrics_give_each_ranks_feed_connection_and_lag():
     assert samples[("eg_kv_event_feed_connected", "1")] == 0.0
     assert samples[("eg_kv_event_feed_disconnects_total", "1")] == 2.0
     assert samples[("eg_kv_event_rank_lag_seconds", "0")] == 0.25
+
+
+async def test_a_sleep_that_drops_the_kv_cache_empties_the_approximate_index():
+    """vLLM's Sleep(level >= 1) drops every engine's KV cache with no reset from the gateway
+    (the events index hears vLLM's AllBlocksCleared; the approximate one hears nothing):
+    the approximate index forgets; a level-0 sleep (a pause) keeps it."""
+    from types import SimpleNamespace
+
+    from gateway.approximate_index import ApproximateIndex
+    from gateway.vllm.engine import VllmEngine
+
+    slept = []
+
+    async def sleep_async(level):
+        slept.append(level)
+
+    engine = VllmEngine.__new__(VllmEngine)
+    engine._model_config = SimpleNamespace(enable_sleep_mode=True)
+    engine._engine_pids = []
+    engine._client = SimpleNamespace(sleep_async=sleep_async)
+    engine.approximate_index = ApproximateIndex(2, 16)
+    engine.approximate_index.record(1, ["a", "b"])
+
+    await engine.sleep(0)
+    assert engine.approximate_index.sizes() == [0, 2]
+    await engine.sleep(1)
+    assert engine.approximate_index.sizes() == [0, 0] and slept == [0, 1]
