@@ -21,7 +21,9 @@ and starts from empty caches (ResetPrefixCache). Targets:
   and outputs of the requests sent before it, at most ``len - 1`` tokens (vLLM's rule).
 
 Figures: prompt tokens computed (sum of prompt - cached, ``cached_tokens`` as vLLM reports
-it) and the hit rate (cached / prompt): machine-independent; TTFT p50/p99 and wall time;
+it) and the hit rate (cached / prompt): machine-independent; for ``cache`` and
+``approximate``, the cached tokens the gateway's index predicted against those vLLM reported
+(and the requests predicted exactly); TTFT p50/p99 and wall time;
 the largest and smallest share of requests per rank. Each workload runs with a cache that
 holds its working set (``large``: 4096 blocks a rank) and with one below twice it
 (``small``: 160 blocks a rank, 5,120 tokens).
@@ -335,10 +337,15 @@ async def measure(args: argparse.Namespace) -> list[dict]:
                         for policy in layout_policies:
                             engine.router = Router(ranks, _router_config(policy))
                             await client.reset_prefix_cache()
+                            before = _predictions(engine)
                             run = await run_workload(
                                 client, engine, ranks_of, name, policy, args.seed
                             )
                             row = summarize(name, size, policy, run, ranks)
+                            row["predictions"] = [
+                                now - then
+                                for now, then in zip(_predictions(engine), before, strict=True)
+                            ]
                             rows.append(row)
                             print(
                                 f"{size:5} {name:13} {policy:11} hit {row['hit_rate']:.3f}"
@@ -352,6 +359,13 @@ async def measure(args: argparse.Namespace) -> list[dict]:
                 await asyncio.gather(serving, return_exceptions=True)
                 await engine.aclose()
     return rows
+
+
+def _predictions(engine: Any) -> tuple[int, int, int, int]:
+    """The gateway's routing accuracy so far: requests whose prefill was seen, those
+    predicted exactly, cached tokens predicted, cached tokens vLLM reported."""
+    a = engine.routing_accuracy
+    return a.requests, a.exact, a.predicted_tokens, a.cached_tokens
 
 
 def _router_config(policy: str) -> Any:
@@ -373,8 +387,9 @@ def _router_config(policy: str) -> Any:
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| cache | workload | policy | hit rate | ideal | computed prompt tokens | vs load |"
-        " TTFT p50 / p99 ms | wall s | requests per rank |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " cached tokens predicted / reported (exact) | TTFT p50 / p99 ms | wall s |"
+        " requests per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     load = {(r["cache"], r["workload"]): r for r in rows if r["policy"] == "load"}
     for r in rows:
@@ -384,9 +399,11 @@ def markdown(rows: list[dict]) -> str:
             if base and r["computed_tokens"]
             else "-"
         )
+        requests, exact, predicted, reported = r.get("predictions") or (0, 0, 0, 0)
+        accuracy = f"{predicted} / {reported} ({exact}/{requests})" if requests else "-"
         lines.append(
             f"| {r['cache']} | {r['workload']} | {r['policy']} | {r['hit_rate']:.3f} |"
-            f" {r['ideal_hit_rate']:.3f} | {r['computed_tokens']} | {ratio} |"
+            f" {r['ideal_hit_rate']:.3f} | {r['computed_tokens']} | {ratio} | {accuracy} |"
             f" {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['wall_s']:.2f} |"
             f" {r['requests_per_rank']} |"
         )

@@ -14,7 +14,10 @@ events index's are.
 Its hashes are its own (``chained_block_hashes``: Python's tuple hash, chained block to
 block from a seed of the request's LoRA and cache salt), about 0.5 µs a block against
 vLLM's ~12 µs: every placed prompt is hashed whole (up to ``--routing-max-blocks``), not only
-to its first unmatched block, and no engine has to agree with them.
+to its first unmatched block, and no engine has to agree with them. The seed also holds a
+secret drawn per index (``secret``): Python's tuple hash is not cryptographic, and a client
+that could predict the values could craft prompts whose blocks collide in the index's
+tables; it never sees them (PrefixQuery answers token counts), and cannot predict them.
 
 A prompt's blocks are touched last block first, so that its first block is the most
 recently used: as in vLLM, which frees a request's blocks tail first, a prefix loses its
@@ -24,6 +27,7 @@ ends before its root, and what stays is still a matchable chain.
 from __future__ import annotations
 
 import collections
+import secrets
 from collections.abc import Hashable, Iterable, Sequence
 
 __all__ = ["ApproximateIndex", "chained_block_hashes"]
@@ -54,6 +58,7 @@ class ApproximateIndex:
         if ranks < 1:
             raise ValueError("ranks must be at least 1")
         self.capacity_blocks = max(1, capacity_blocks)
+        self.secret = secrets.randbits(64)  # part of every seed (the module docstring)
         self.ranks: list[collections.OrderedDict[Hashable, None]] = [
             collections.OrderedDict() for _ in range(ranks)
         ]

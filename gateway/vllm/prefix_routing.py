@@ -210,7 +210,8 @@ class PrefixRouting:
             hashes: list = list(itertools.islice(blocks, limit))
         else:
             lora = core_request.lora_request
-            seed = (lora.lora_name if lora is not None else None, core_request.cache_salt)
+            lora_name = lora.lora_name if lora is not None else None
+            seed = (index.secret, lora_name, core_request.cache_salt)
             tokens = core_request.prompt_token_ids or ()
             hashes = chained_block_hashes(tokens, block_size, seed, limit)
         matched: list[int | None] = list(index.matched_blocks(hashes))

@@ -78,3 +78,16 @@ def test_chained_hashes_name_whole_prefixes_of_full_blocks():
     assert chained_block_hashes(tokens, 16, ("lora-a", None), limit=2) == hashes[:2]
     assert chained_block_hashes(tokens[:15], 16, None) == []
     assert chained_block_hashes(tokens, 0, None) == []
+
+
+def test_each_index_draws_its_own_secret_for_the_seeds():
+    """Hashes a client could predict could be crafted to collide in the index's tables: the
+    seed holds a secret of each index, so the same prompt hashes apart in two of them."""
+    from gateway.approximate_index import chained_block_hashes
+
+    first, second = ApproximateIndex(1, 8), ApproximateIndex(1, 8)
+    assert first.secret != second.secret
+    tokens = list(range(32))
+    assert chained_block_hashes(tokens, 16, (first.secret, None, None)) != chained_block_hashes(
+        tokens, 16, (second.secret, None, None)
+    )
