@@ -246,7 +246,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
                 child_params.seed = params.seed + index  # vLLM's ParentRequest rule
             child.sampling_params = child_params
             children.append(child)
-        self._moved_prediction(engine_request_id, [child.request_id for child in children])
+        self._moved_prediction(core_request, [child.request_id for child in children])
         return children
 
     async def add_requests(self, prepared: Sequence[Any]) -> None:

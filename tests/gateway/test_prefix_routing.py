@@ -135,6 +135,21 @@ async def test_a_request_with_prompt_logprobs_is_not_routed_as_a_hit(client, rou
     assert routed.engine.routing_accuracy.exact == exact + 1  # predicted 0, got 0
 
 
+async def test_the_samples_of_an_n_request_are_each_predicted_as_vllm_reports(client, routed):
+    """n samples of one prompt go to one rank; the first computes the prompt, and vLLM
+    reports the others reusing its whole blocks: the prediction says so for each."""
+    accuracy = routed.engine.routing_accuracy
+    before = (accuracy.requests, accuracy.exact, accuracy.cached_tokens)
+    prompt = fresh_prompt(3)  # 101 tokens: 3 whole blocks reusable
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=2, ignore_eos=True, n=4)
+
+    await client.complete_samples(prompt, sampled)
+
+    assert accuracy.requests - before[0] == 4
+    assert accuracy.cached_tokens - before[2] == 3 * 3 * BLOCK  # siblings 2-4, whole blocks
+    assert accuracy.exact - before[1] == 4
+
+
 async def test_a_pinned_request_is_placed_where_asked(client, routed):
     prompt = fresh_prompt(3)
     await client.complete(prompt, GREEDY)
