@@ -382,6 +382,12 @@ def test_with_several_gateways_a_busy_metrics_port_is_a_usage_error_before_engin
         # The approximate index needs no events: the engines publish none.
         (["--data-parallel-size", "2", "--routing-index", "approximate"], "cache", True, False),
         (
+            ["--data-parallel-size", "2", "--gateway-count", "2", "--routing-index", "approximate"],
+            "cache",
+            True,
+            False,  # each gateway of the group guesses from its own placements
+        ),
+        (
             [
                 "--data-parallel-size",
                 "2",
@@ -404,6 +410,7 @@ def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
     with its KV events on private ipc sockets; ``load`` otherwise, and where the operator
     named the events' endpoints; an explicit --routing is kept as given."""
     from gateway.cli import _preflight, build_parser
+    from gateway.routing import RoutingConfig
     from gateway.tiny_model import ensure_tiny_model
     from gateway.vllm import remove_kv_events_folder
 
@@ -414,6 +421,7 @@ def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
     _, config = _preflight(args)
     try:
         assert (args.routing, args.routing_by_default) == (policy, by_default)
+        assert RoutingConfig.from_args(args).index == args.routing_index  # what gateways get
         kv_events = config.kv_events_config
         assert (kv_events is not None and kv_events.enable_kv_cache_events) == events
         if events and "--kv-events-config" not in flags:
