@@ -221,9 +221,21 @@ def _report_worker_deaths() -> None:
     MultiprocExecutor._engine_gateway_plugin = True
 
 
-def _write_worker_death_report(executor: Any) -> None:
-    """The first of ``executor``'s workers that exited, by name and exit status."""
-    dead = [h.proc for h in executor.workers if h.proc.exitcode is not None]
+def _write_worker_death_report(executor: Any, reap_s: float = 2.0) -> None:
+    """The first of ``executor``'s workers that exited, by name and exit status.
+
+    The monitor woke on a worker's sentinel, which the kernel closes a moment before the
+    process can be reaped: its ``exitcode`` could still read None there (seen in CI, on
+    the 2-core VM: no report, and the client heard only "the cause is in the gateway's
+    log"). A worker whose sentinel is ready is joined first, up to ``reap_s``."""
+    from multiprocessing.connection import wait
+
+    procs = [h.proc for h in executor.workers]
+    ended = set(wait([proc.sentinel for proc in procs], timeout=0))
+    for proc in procs:
+        if proc.exitcode is None and proc.sentinel in ended:
+            proc.join(reap_s)
+    dead = [proc for proc in procs if proc.exitcode is not None]
     # Should another be ending already, the one that was not SIGTERMed died first.
     dead.sort(key=lambda proc: proc.exitcode == -signal.SIGTERM)
     if dead:

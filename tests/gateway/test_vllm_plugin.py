@@ -133,6 +133,39 @@ def test_a_dead_workers_signal_reaches_the_gateway_through_the_engine_process(
     assert deaths.death_report([os.getpid()]) is None
 
 
+class _ExitedNotYetReaped:
+    """A worker process as the monitor can find it: its sentinel ready (the kernel closed
+    its files), its exit status not yet readable until it is joined."""
+
+    def __init__(self, name: str, ended: bool):
+        self.name, self.exitcode, self.joined = name, None, False
+        self.sentinel, self._write_end = os.pipe()
+        if ended:
+            os.close(self._write_end)
+
+    def join(self, timeout=None):
+        self.joined = True
+        self.exitcode = -signal.SIGILL
+
+
+def test_a_worker_whose_exit_status_lags_its_sentinel_is_still_named(tmp_path, monkeypatch):
+    """Seen in CI: the report was written while the dead worker's ``exitcode`` still read
+    None (its sentinel fires a moment before it can be reaped), so none was written and the
+    client heard "the cause is in the gateway's log". A worker whose sentinel is ready is
+    joined first; a live one is not waited for."""
+    monkeypatch.setattr(deaths.tempfile, "gettempdir", lambda: str(tmp_path))
+    dead, alive = _ExitedNotYetReaped("W-0", ended=True), _ExitedNotYetReaped("W-1", ended=False)
+    executor = SimpleNamespace(workers=[SimpleNamespace(proc=alive), SimpleNamespace(proc=dead)])
+    try:
+        plugin._write_worker_death_report(executor)
+        report = deaths.death_report([os.getpid()], remove=True) or ""
+        assert report.startswith("W-0 (killed by SIGILL: "), report
+        assert dead.joined and not alive.joined
+    finally:
+        for end in (dead.sentinel, alive.sentinel, alive._write_end):
+            os.close(end)
+
+
 class _MarkedAtTeardown:
     """In a reference cycle: only the interpreter's teardown collection runs ``__del__``."""
 
