@@ -30,6 +30,8 @@ import collections
 import secrets
 from collections.abc import Hashable, Iterable, Sequence
 
+from .prefix_index import count_leading_blocks
+
 __all__ = ["ApproximateIndex", "chained_block_hashes"]
 
 
@@ -69,15 +71,7 @@ class ApproximateIndex:
         """Per rank: how many of ``hashes`` (a prompt's chained block hashes, in order) it
         holds as a prefix. Stops at the first hash no rank holds, or at ``max_blocks``."""
         out = [0] * len(self.ranks)
-        holding = list(enumerate(self.ranks))
-        if max_blocks == 0:
-            return out
-        for taken, h in enumerate(hashes, 1):
-            holding = [(rank, blocks) for rank, blocks in holding if h in blocks]
-            for rank, _ in holding:
-                out[rank] += 1
-            if not holding or taken == max_blocks:
-                break
+        count_leading_blocks(hashes, list(enumerate(self.ranks)), out, max_blocks)
         return out
 
     def record(self, rank: int, hashes: Sequence[Hashable]) -> None:

@@ -117,7 +117,7 @@ class PrefixRouting:
         approximate = router.config.policy == "cache" and router.config.index == "approximate"
         if core_request.data_parallel_rank is not None:
             if approximate:  # its prompt will be cached where it was pinned: note it
-                _, _, placed = self._approximate_matches(core_request)
+                _, placed = self._approximate_hashes(core_request)
                 self._record_placement(core_request.data_parallel_rank, placed)
             return None
         placed: list | None = None  # approximate: the prompt's block hashes, to record
@@ -210,8 +210,15 @@ class PrefixRouting:
 
     def _approximate_matches(self, core_request: Any) -> tuple[list[int | None], int, list]:
         """Per rank, the prompt's leading blocks this gateway placed there; the block size;
-        the prompt's block hashes (up to ``max_prefix_blocks``), for ``record``: our own
-        (``chained_block_hashes``), or vLLM's where multimodal items are part of a block's."""
+        the prompt's block hashes (``_approximate_hashes``), for ``record``."""
+        block_size, hashes = self._approximate_hashes(core_request)
+        matched: list[int | None] = [*self._approximate_setup().matched_blocks(hashes)]
+        return matched, block_size, hashes
+
+    def _approximate_hashes(self, core_request: Any) -> tuple[int, list]:
+        """The block size and the prompt's block hashes (up to ``max_prefix_blocks``) for the
+        approximate index: our own (``chained_block_hashes``), or vLLM's where multimodal
+        items are part of a block's."""
         index = self._approximate_setup()
         block_size = self._vllm_config.cache_config.block_size or 0
         limit = self.router.config.max_prefix_blocks if self.router is not None else None
@@ -219,15 +226,12 @@ class PrefixRouting:
             if self._hasher is None:
                 self._hasher = PrefixHasher(self._vllm_config)
             blocks = self._hasher.iter_block_hashes(core_request, block_size)
-            hashes: list = list(itertools.islice(blocks, limit))
-        else:
-            lora = core_request.lora_request
-            lora_name = lora.lora_name if lora is not None else None
-            seed = (index.secret, lora_name, core_request.cache_salt)
-            tokens = core_request.prompt_token_ids or ()
-            hashes = chained_block_hashes(tokens, block_size, seed, limit)
-        matched: list[int | None] = list(index.matched_blocks(hashes))
-        return matched, block_size, hashes
+            return block_size, list(itertools.islice(blocks, limit))
+        lora = core_request.lora_request
+        lora_name = lora.lora_name if lora is not None else None
+        seed = (index.secret, lora_name, core_request.cache_salt)
+        tokens = core_request.prompt_token_ids or ()
+        return block_size, chained_block_hashes(tokens, block_size, seed, limit)
 
     def _approximate_setup(self) -> ApproximateIndex:
         """The approximate index, sized by each rank's KV-cache blocks (known once the
