@@ -5,11 +5,11 @@ gateway records the block hashes of each prompt it sends to a rank and counts th
 that rank's KV-cache blocks, the least recently routed dropped first. The engines publish
 nothing, so neither their busy loops nor the gateway pay for events, and nothing has to
 reach the gateway from the ranks; the price is that it is a guess. It holds the prompts'
-blocks but not the blocks of generated tokens (a conversation's next turn matches up to its
-previous turn's prompt), and sees neither other gateways' placements nor vLLM's own
-evictions and preemptions: under memory pressure it can predict a hit that vLLM no longer
-holds. Its predictions are still checked against vLLM's ``num_cached_tokens``, as the
-events index's are.
+blocks and, once a request ends (``PlacedSequences``), the blocks its generated tokens
+filled, so that a conversation's next turn matches its previous turn whole; it sees
+neither other gateways' placements nor vLLM's own evictions and preemptions: under memory
+pressure it can predict a hit that vLLM no longer holds. Its predictions are still checked
+against vLLM's ``num_cached_tokens``, as the events index's are.
 
 Its hashes are its own (``chained_block_hashes``: Python's tuple hash, chained block to
 block from a seed of the request's LoRA and cache salt), about 0.5 µs a block against
@@ -27,24 +27,31 @@ ends before its root, and what stays is still a matchable chain.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import secrets
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 from .prefix_index import count_leading_blocks
 
-__all__ = ["ApproximateIndex", "chained_block_hashes"]
+__all__ = ["ApproximateIndex", "PlacedSequences", "chained_block_hashes"]
 
 
 def chained_block_hashes(
-    tokens: Sequence[int], block_size: int, seed: Hashable, limit: int | None = None
+    tokens: Sequence[int],
+    block_size: int,
+    seed: Hashable,
+    limit: int | None = None,
+    after: int | None = None,
 ) -> list[int]:
     """One hash per full block of ``tokens``, each of its block's tokens and the hash
-    before it (the first: of ``seed``), so equal hashes mean equal prefixes; at most
-    ``limit``. Valid within one process (``seed``'s strings hash per process)."""
+    before it (the first: of ``seed``, or ``after``, the hash of the block these tokens
+    follow), so equal hashes mean equal prefixes; at most ``limit``. Valid within one
+    process (``seed``'s strings hash per process)."""
     hashes: list[int] = []
     if block_size <= 0 or limit == 0:
         return hashes
-    parent = hash(seed)
+    parent = hash(seed) if after is None else after
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash((parent, *tokens[start : start + block_size]))
         hashes.append(parent)
@@ -94,3 +101,120 @@ class ApproximateIndex:
     def sizes(self) -> list[int]:
         """Block hashes held per rank."""
         return [len(blocks) for blocks in self.ranks]
+
+
+@dataclasses.dataclass(slots=True)
+class _Sequence:
+    rank: int
+    hashes: list[int]  # of its full blocks so far, the prompt's first
+    tail: list[int]  # the tokens after the last full block
+    seed: Hashable
+
+
+class PlacedSequences:
+    """The requests placed with an ``ApproximateIndex``, followed as they generate: when one
+    ends, the blocks its output filled join its prompt's on its rank (a multi-turn
+    conversation's next prompt is the last one, its answer and a new message).
+
+    vLLM caches a request's full blocks of computed tokens, which at its end are all its
+    tokens but the last sampled one (never fed back): a block is hashed once a token follows
+    it, so at most one block of tokens is held per request. Requests are followed up to
+    ``max_blocks`` blocks (the routing's ``max_prefix_blocks``), at most ``kept`` at a time
+    (the oldest forgotten: a request whose end never came, such as one the engine
+    refused)."""
+
+    def __init__(
+        self,
+        index: ApproximateIndex,
+        block_size: int,
+        max_blocks: int | None = None,
+        kept: int = 100_000,
+    ):
+        self.index = index
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.kept = kept
+        self._sequences: collections.OrderedDict[str, _Sequence] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def start(
+        self,
+        request_id: str,
+        rank: int,
+        prompt: Sequence[int],
+        hashes: list[int],
+        seed: Hashable,
+    ) -> None:
+        """Follow a request placed on ``rank``: its prompt and the prompt's block hashes
+        (``chained_block_hashes`` from ``seed``). A prompt whose hashes stopped at the
+        limit has nothing more to add, and is not followed."""
+        size = self.block_size
+        if size <= 0 or len(hashes) != len(prompt) // size or self._full(hashes):
+            return
+        tail = list(prompt[len(hashes) * size :])
+        self._sequences[request_id] = _Sequence(rank, hashes, tail, seed)
+        if len(self._sequences) > self.kept:
+            self._sequences.popitem(last=False)
+
+    def split(self, request_id: str, sample_ids: Sequence[str]) -> None:
+        """A followed request became these samples, each generating on the same rank."""
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is None:
+            return
+        for sample_id in sample_ids:
+            self._sequences[sample_id] = dataclasses.replace(
+                sequence, hashes=list(sequence.hashes), tail=list(sequence.tail)
+            )
+
+    def extend(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """A followed request's new tokens (not followed: ignored)."""
+        sequence = self._sequences.get(request_id)
+        if sequence is not None:
+            sequence.tail += token_ids
+            if len(sequence.tail) > self.block_size:
+                self._hash_computed_blocks(sequence)
+
+    def observe(self, outputs: Iterable[Any]) -> None:
+        """One engine step's outputs (``request_id``, ``new_token_ids``, ``finish_reason``):
+        ``extend`` each followed request, ``end`` those that finished. Runs for every
+        output of every step, so it is one loop with nothing else in it."""
+        sequences, size = self._sequences, self.block_size
+        for out in outputs:
+            sequence = sequences.get(out.request_id)
+            if sequence is None:
+                continue
+            tail = sequence.tail
+            tail += out.new_token_ids
+            if len(tail) > size:
+                self._hash_computed_blocks(sequence)
+            if out.finish_reason is not None:
+                self.end(out.request_id)
+
+    def _hash_computed_blocks(self, sequence: _Sequence) -> None:
+        """Hash the tail's blocks that a token follows (computed, so cached), keep the rest."""
+        size, tail = self.block_size, sequence.tail
+        full = (len(tail) - 1) // size
+        after = sequence.hashes[-1] if sequence.hashes else None
+        limit = None if self.max_blocks is None else self.max_blocks - len(sequence.hashes)
+        sequence.hashes += chained_block_hashes(
+            tail[: full * size], size, sequence.seed, limit, after
+        )
+        del tail[: full * size]
+        if self._full(sequence.hashes):
+            tail.clear()
+
+    def end(self, request_id: str) -> None:
+        """A followed request ended (finished or aborted): its blocks, prompt and output,
+        are recorded on its rank."""
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None and 0 <= sequence.rank < len(self.index.ranks):
+            self.index.record(sequence.rank, sequence.hashes)
+
+    def clear(self) -> None:
+        """Forget every request followed (the prefix caches were dropped)."""
+        self._sequences.clear()
+
+    def _full(self, hashes: list[int]) -> bool:
+        return self.max_blocks is not None and len(hashes) >= self.max_blocks

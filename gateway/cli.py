@@ -306,8 +306,8 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         help="cache: where it learns which rank holds what. events (default): the engines'"
         " KV events, exact; approximate: the prompts this gateway sent to each rank, counted"
         " against the rank's KV-cache blocks; the engines publish no events (no cost on"
-        " them, nothing to connect), but generated tokens, other gateways' placements and"
-        " vLLM's evictions go unseen",
+        " them, nothing to connect; generated tokens' blocks are added as requests end), but"
+        " other gateways' placements and vLLM's evictions go unseen",
     )
     g.add_argument(
         "--routing-prefix-weight",

@@ -269,6 +269,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
     async def abort_requests(self, engine_request_ids: Sequence[str]) -> None:
         if engine_request_ids and not self._client.resources.engine_dead:
             await self._client.abort_requests_async(list(engine_request_ids))
+            self._generation_aborted(engine_request_ids)
 
     async def get_output(self) -> Sequence[Any]:
         try:
@@ -329,6 +330,8 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         outputs = step.outputs
         if self._predicted:
             self._note_prefill(outputs)
+        if self.placed_sequences:
+            self._follow_generation(outputs)
         for i, out in enumerate(outputs):
             if out.new_logprobs is not None or out.new_prompt_logprobs_tensors is not None:
                 outputs[i] = self._convert(out)

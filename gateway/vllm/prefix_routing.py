@@ -2,8 +2,9 @@
 
 Owns the ``Router`` (gateway/routing.py), the ``PrefixIndex`` and the ``KvEventFeed``
 that fills it from vLLM's KV events (or, with ``--routing-index approximate``, the
-``ApproximateIndex`` of what this gateway placed), and the ``PrefixHasher`` that hashes
-prompts as the engines do. ``_route`` places one processed request (before it is copied into its n
+``ApproximateIndex`` of what this gateway placed, and the ``PlacedSequences`` whose
+generated blocks join it as they end), and the ``PrefixHasher`` that hashes prompts as the
+engines do. ``_route`` places one processed request (before it is copied into its n
 samples, which so stay on one rank); ``prefix_match`` answers PrefixQuery; each step's
 prefill stats give the index's accuracy (predicted against vLLM's ``num_cached_tokens``).
 """
@@ -16,7 +17,7 @@ import itertools
 import logging
 from typing import Any
 
-from ..approximate_index import ApproximateIndex, chained_block_hashes
+from ..approximate_index import ApproximateIndex, PlacedSequences, chained_block_hashes
 from ..kv_event_feed import KvEventFeed
 from ..prefix_index import PrefixIndex
 from ..routing import Decision, Router, RoutingConfig, reusable_blocks
@@ -55,6 +56,7 @@ class PrefixRouting:
         self.router: Router | None = None
         self.prefix_index: PrefixIndex | None = None
         self.approximate_index: ApproximateIndex | None = None
+        self.placed_sequences: PlacedSequences | None = None
         self.kv_feed: KvEventFeed | None = None
         self._hasher: PrefixHasher | None = None
         self._hash_check: bool | None = None  # None: no published block checked yet
@@ -118,7 +120,7 @@ class PrefixRouting:
         if core_request.data_parallel_rank is not None:
             if approximate:  # its prompt will be cached where it was pinned: note it
                 _, placed = self._approximate_hashes(core_request)
-                self._record_placement(core_request.data_parallel_rank, placed)
+                self._record_placement(core_request, core_request.data_parallel_rank, placed)
             return None
         placed: list | None = None  # approximate: the prompt's block hashes, to record
         if router.config.policy != "cache":
@@ -142,14 +144,35 @@ class PrefixRouting:
         if decision.rank is not None:
             core_request.data_parallel_rank = decision.rank
             self._count_as_waiting(decision.rank)
-            self._record_placement(decision.rank, placed)
+            self._record_placement(core_request, decision.rank, placed)
         return decision
 
-    def _record_placement(self, rank: int, placed: list | None) -> None:
-        """Approximate index: the prompt with these block hashes was sent to ``rank``."""
+    def _record_placement(self, core_request: Any, rank: int, placed: list | None) -> None:
+        """Approximate index: the prompt with these block hashes was sent to ``rank``; its
+        generated blocks join them when it ends (``_follow_generation``)."""
         index = self.approximate_index
-        if placed and index is not None and 0 <= rank < len(index.ranks):
+        if placed is None or index is None or not 0 <= rank < len(index.ranks):
+            return
+        if placed:
             index.record(rank, placed)
+        sequences = self.placed_sequences
+        if sequences is not None and not core_request.mm_features:  # our hashes chain on
+            prompt = core_request.prompt_token_ids or ()
+            seed = _approximate_seed(index, core_request)
+            sequences.start(core_request.request_id, rank, prompt, placed, seed)
+
+    def _follow_generation(self, outputs: Any) -> None:
+        """Approximate index: each step's tokens of the requests it placed; an ended
+        request's blocks are recorded on its rank."""
+        if self.placed_sequences is not None:
+            self.placed_sequences.observe(outputs)
+
+    def _generation_aborted(self, request_ids: Any) -> None:
+        """Aborted requests keep in vLLM's cache the blocks they computed: recorded."""
+        sequences = self.placed_sequences
+        if sequences is not None:
+            for request_id in request_ids:
+                sequences.end(request_id)
 
     def _count_as_waiting(self, rank: int) -> None:
         """As vLLM's balancer does for its own picks: count the request as waiting on its
@@ -164,20 +187,24 @@ class PrefixRouting:
         """Every engine's prefix cache was reset."""
         if self.prefix_index is not None:
             self.prefix_index.clear_all()
-        if self.approximate_index is not None:
-            self.approximate_index.clear()
+        self._approximate_cache_dropped()
 
     def _approximate_cache_dropped(self) -> None:
         """Every engine dropped its prefix cache without a reset from the gateway (Sleep):
         the approximate index forgets (the events index reads vLLM's AllBlocksCleared)."""
         if self.approximate_index is not None:
             self.approximate_index.clear()
+        if self.placed_sequences is not None:
+            self.placed_sequences.clear()
 
     def _moved_prediction(self, core_request: Any, sample_ids: list[str]) -> None:
         """A request split into n samples: the first carries the prediction; the others
         find the blocks of the whole prompt cached, the first's (vLLM caches a prompt's full
         blocks as it schedules them: seen as 51,200 cached tokens against 16,384 predicted
-        on the routing bench's GRPO run before this), unless they read no cache."""
+        on the routing bench's GRPO run before this), unless they read no cache. The
+        approximate index follows each sample's generation."""
+        if self.placed_sequences is not None:
+            self.placed_sequences.split(core_request.request_id, sample_ids)
         predicted = self._predicted
         tokens = predicted.pop(core_request.request_id, None) if predicted else None
         if tokens is None or not sample_ids:
@@ -227,9 +254,7 @@ class PrefixRouting:
                 self._hasher = PrefixHasher(self._vllm_config)
             blocks = self._hasher.iter_block_hashes(core_request, block_size)
             return block_size, list(itertools.islice(blocks, limit))
-        lora = core_request.lora_request
-        lora_name = lora.lora_name if lora is not None else None
-        seed = (index.secret, lora_name, core_request.cache_salt)
+        seed = _approximate_seed(index, core_request)
         tokens = core_request.prompt_token_ids or ()
         return block_size, chained_block_hashes(tokens, block_size, seed, limit)
 
@@ -240,6 +265,9 @@ class PrefixRouting:
             ranks = self._vllm_config.parallel_config.data_parallel_size
             total = self._vllm_config.cache_config.num_gpu_blocks or 0  # summed over ranks
             self.approximate_index = ApproximateIndex(ranks, total // ranks)
+            block_size = self._vllm_config.cache_config.block_size or 0
+            limit = self.router.config.max_prefix_blocks if self.router is not None else None
+            self.placed_sequences = PlacedSequences(self.approximate_index, block_size, limit)
         return self.approximate_index
 
     def _hashes_usable(self) -> bool:
@@ -343,6 +371,13 @@ class PrefixRouting:
             None if m is None else reusable_blocks(m, prompt_len, block_size) * block_size
             for m in matched
         ], block_size
+
+
+def _approximate_seed(index: ApproximateIndex, core_request: Any) -> tuple:
+    """What a request's first block hash chains from: the index's secret, its LoRA and its
+    cache salt (blocks of other adapters or salts never match)."""
+    lora = core_request.lora_request
+    return (index.secret, lora.lora_name if lora is not None else None, core_request.cache_salt)
 
 
 def _skips_reading_the_cache(core_request: Any) -> bool:

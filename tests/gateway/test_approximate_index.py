@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.approximate_index import ApproximateIndex
+from gateway.approximate_index import ApproximateIndex, PlacedSequences, chained_block_hashes
 
 
 def test_a_prompt_placed_on_a_rank_matches_there_as_a_prefix_and_nowhere_else():
@@ -91,3 +91,85 @@ def test_each_index_draws_its_own_secret_for_the_seeds():
     assert chained_block_hashes(tokens, 16, (first.secret, None, None)) != chained_block_hashes(
         tokens, 16, (second.secret, None, None)
     )
+
+
+def _placed(index, block, max_blocks=None):
+    return PlacedSequences(index, block, max_blocks), ("seed",)
+
+
+def test_a_finished_requests_output_blocks_join_its_prompts_as_one_chain():
+    """The next turn of a conversation (prompt + answer + more) matches the whole previous
+    turn, less the last sampled token, which vLLM never computes."""
+    index = ApproximateIndex(2, capacity_blocks=100)
+    sequences, seed = _placed(index, 4)
+    prompt = list(range(10))  # 2 full blocks and 2 tokens
+    hashes = chained_block_hashes(prompt, 4, seed)
+    index.record(1, hashes)
+    sequences.start("r", 1, prompt, hashes, seed)
+    sequences.extend("r", [20, 21])  # block 3 full, but nothing after it yet
+    sequences.extend("r", [22])
+    sequences.extend("r", [23, 24, 25])  # 10 + 6 = 16 tokens: 3 blocks computed
+    assert len(sequences) == 1
+    sequences.end("r")
+    assert len(sequences) == 0
+    next_turn = prompt + [20, 21, 22, 23, 24, 25, 30, 31, 32]
+    assert index.matched_blocks(chained_block_hashes(next_turn, 4, seed)) == [0, 3]
+    # Tokens of another answer match up to where they differ.
+    other = prompt + [99, 21, 22, 23, 24, 25]
+    assert index.matched_blocks(chained_block_hashes(other, 4, seed)) == [0, 2]
+
+
+def test_samples_each_follow_their_own_output_and_an_abort_records_what_was_computed():
+    index = ApproximateIndex(1, capacity_blocks=100)
+    sequences, seed = _placed(index, 2)
+    prompt = [1, 2, 3]
+    sequences.start("r", 0, prompt, chained_block_hashes(prompt, 2, seed), seed)
+    sequences.split("r", ["r-0", "r-1"])
+    sequences.extend("r-0", [10, 11, 12])
+    sequences.extend("r-1", [20, 21, 22])
+    sequences.end("r-0")
+    sequences.end("r-1")  # (the engine's abort: the same record)
+    for answer in ([10, 11, 12], [20, 21, 22]):
+        turn = prompt + answer
+        assert index.matched_blocks(chained_block_hashes(turn, 2, seed)) == [2]
+    sequences.end("unknown")  # not followed: nothing happens
+
+
+def test_following_stops_at_the_block_limit_and_forgets_the_oldest_past_kept():
+    index = ApproximateIndex(1, capacity_blocks=100)
+    sequences = PlacedSequences(index, 2, max_blocks=3, kept=2)
+    seed = ("seed",)
+    capped = [1, 2, 3, 4, 5, 6, 7, 8]  # 4 blocks, hashed to the limit of 3
+    sequences.start("capped", 0, capped, chained_block_hashes(capped, 2, seed, 3), seed)
+    assert len(sequences) == 0  # nothing more to add
+    prompt = [1, 2, 3]
+    sequences.start("a", 0, prompt, chained_block_hashes(prompt, 2, seed, 3), seed)
+    sequences.extend("a", list(range(10, 20)))
+    sequences.end("a")
+    assert index.sizes() == [3]
+    for name in ("x", "y", "z"):
+        sequences.start(name, 0, [5], [], seed)
+    assert len(sequences) == 2  # "x", the oldest, forgotten
+    sequences.clear()
+    assert len(sequences) == 0
+
+
+def test_a_steps_outputs_extend_their_requests_and_a_finish_records_them():
+    from types import SimpleNamespace as Output
+
+    index = ApproximateIndex(2, capacity_blocks=100)
+    sequences, seed = _placed(index, 2)
+    prompt = [1, 2, 3]
+    sequences.start("a", 0, prompt, chained_block_hashes(prompt, 2, seed), seed)
+    sequences.start("b", 1, prompt, chained_block_hashes(prompt, 2, seed), seed)
+    sequences.observe(
+        [
+            Output(request_id="a", new_token_ids=[4, 5], finish_reason=None),
+            Output(request_id="other", new_token_ids=[9], finish_reason="stop"),
+            Output(request_id="b", new_token_ids=[6], finish_reason=None),
+        ]
+    )
+    sequences.observe([Output(request_id="a", new_token_ids=[6], finish_reason="length")])
+    assert len(sequences) == 1  # "b" goes on
+    answered = chained_block_hashes([1, 2, 3, 4, 5, 6, 7], 2, seed)
+    assert index.matched_blocks(answered) == [2, 0]  # 5 of 6 tokens computed: 2 blocks

@@ -370,3 +370,37 @@ async def test_the_approximate_index_routes_a_shared_prefix_by_what_the_gateway_
         assert (await client.prefix_query(extended)).matched_tokens == [0, 0]
     finally:
         engine.router = events_router
+
+
+async def test_the_approximate_index_matches_a_conversations_next_turn_whole(client, routed):
+    """The blocks a request's output filled join its prompt's when it ends, so the next
+    turn (prompt, answer, a new message) is predicted whole, less the last sampled token,
+    which vLLM never computes; vLLM reports that hit. Two answers of one prompt (n=2)
+    are each followed."""
+    from gateway.routing import Router
+
+    engine = routed.engine
+    events_router = engine.router
+    engine.router = Router(2, RoutingConfig("cache", index="approximate"))
+    try:
+        prompt = fresh_prompt(1, extra=10)  # 42 tokens: 1 full block
+        answer = await client.complete(
+            prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        )
+        turn = prompt + answer.token_ids + [9] * 20  # 101 tokens computed: 3 blocks
+        matched = (await client.prefix_query(turn)).matched_tokens
+        rank = holder(matched)
+        assert matched[rank] == 3 * BLOCK
+        exact_before = engine.routing_accuracy.exact
+
+        assert (await client.complete(turn, GREEDY)).cached_tokens == 3 * BLOCK
+        assert engine.routing_accuracy.exact == exact_before + 1
+
+        sampled = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=40, ignore_eos=True)
+        samples = await client.complete_samples(prompt, sampled)
+        for sample in samples:  # 82 tokens computed each: 2 blocks, the second its own
+            extended = prompt + sample.token_ids + [9]
+            assert (await client.prefix_query(extended)).matched_tokens[rank] == 2 * BLOCK
+        assert not engine.placed_sequences  # every request it followed has ended
+    finally:
+        engine.router = events_router
