@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--targets",
         default=",".join(DEFAULT_TARGETS),
         help=f"comma list of {ALL_TARGETS}, or gateway / vllm-http with -dpN and/or -xM (a"
-        " gateway's then with -load, -cache or -round-robin: its --routing; -approximate:"
-        " --routing cache --routing-index approximate)",
+        " gateway's then with -load, -cache or -round-robin: its --routing; -approximate or"
+        " -events: --routing cache --routing-index that index)",
     )
     p.add_argument("--concurrency", default=None, help="comma list, overrides the mode")
     p.add_argument("--rates", default=None, help="Poisson arrival rates (req/s), comma list")

@@ -8,9 +8,10 @@ hundreds of tokens and ``max_tokens`` <= 8, so prefill dominates. The gateway ru
 process with ``--routing cache`` (vLLM's KV events on); each run swaps its router's policy
 and starts from empty caches (ResetPrefixCache). Targets:
 
-- ``cache``: the gateway's prefix-cache routing (its defaults: prefix weight 16, guard 1.5,8);
-- ``approximate``: ``cache`` matching on the prompts the gateway placed
-  (``--routing-index approximate``) instead of the engines' KV events;
+- ``cache``: the gateway's prefix-cache routing on the engines' KV events
+  (``--routing-index events``, a gateway group's default; prefix weight 16, guard 1.5,8);
+- ``approximate``: ``cache`` matching on the prompts the gateway placed and what they
+  generated (``--routing-index approximate``, one gateway's default) instead of KV events;
 - ``load``: vLLM's own DP balancer;
 - ``round-robin``;
 - ``hash``: the client pins each request by a hash of its routing key, or of its first block;
@@ -346,12 +347,18 @@ async def measure(args: argparse.Namespace) -> list[dict]:
                                 now - then
                                 for now, then in zip(_predictions(engine), before, strict=True)
                             ]
+                            row["decisions"] = {
+                                reason: count
+                                for reason, count in engine.router.decisions.items()
+                                if count
+                            }
                             rows.append(row)
                             print(
                                 f"{size:5} {name:13} {policy:11} hit {row['hit_rate']:.3f}"
                                 f" (ideal {row['ideal_hit_rate']:.3f}) computed"
                                 f" {row['computed_tokens']:6} TTFT p50 {row['ttft_p50_ms']:6.1f}"
-                                f" ms  share {row['requests_per_rank']}",
+                                f" ms  share {row['requests_per_rank']}"
+                                f"  decisions {row['decisions']}",
                                 flush=True,
                             )
             finally:

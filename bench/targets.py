@@ -721,14 +721,14 @@ class GatewayPoolTarget:
 # Any of these too: N data-parallel engines and/or M frontend processes.
 SCALED_TARGET = re.compile(
     r"(?P<frontend>gateway|vllm-http)(?:-dp(?P<dp>\d+))?(?:-x(?P<x>\d+))?"
-    r"(?:-(?P<routing>load|cache|round-robin|approximate))?"
+    r"(?:-(?P<routing>load|cache|round-robin|approximate|events))?"
 )
 
 
 def scaled_target(name: str) -> tuple[str, int, int] | None:
     """(frontend, data-parallel engines, frontend processes) of a -dpN / -xM target; a
-    gateway's may end in -load / -cache / -round-robin (its --routing; else the default) or
-    -approximate (``--routing cache --routing-index approximate``)."""
+    gateway's may end in -load / -cache / -round-robin (its --routing; else the default),
+    -approximate or -events (``--routing cache --routing-index`` that index)."""
     match = SCALED_TARGET.fullmatch(name)
     if match is None or (match["dp"] is None and match["x"] is None):
         return None
@@ -739,10 +739,10 @@ def scaled_target(name: str) -> tuple[str, int, int] | None:
 
 
 def target_routing_flags(name: str) -> tuple[str, ...]:
-    """The gateway flags a scaled target's -load / -cache / -round-robin / -approximate
-    suffix asks for."""
+    """The gateway flags a scaled target's -load / -cache / -round-robin / -approximate /
+    -events suffix asks for."""
     match = SCALED_TARGET.fullmatch(name)
     routing = match["routing"] if match is not None else None
-    if routing == "approximate":
-        return ("--routing", "cache", "--routing-index", "approximate")
+    if routing in ("approximate", "events"):
+        return ("--routing", "cache", "--routing-index", routing)
     return ("--routing", routing) if routing is not None else ()

@@ -34,7 +34,7 @@ from .preflight import (
     check_model,
     gateway_bind_addresses,
 )
-from .routing import ROUTING_INDEXES, ROUTING_POLICIES, RoutingConfig
+from .routing import ROUTING_INDEXES, ROUTING_POLICIES, RoutingConfig, default_routing_index
 from .serve import EXIT_START_FAILED, gateway_version, run_gateway
 from .sessions import GatewayLimits
 from .weight_buffers import DEFAULT_ARENA_BYTES as DEFAULT_WEIGHT_ARENA_BYTES
@@ -302,12 +302,13 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--routing-index",
         choices=ROUTING_INDEXES,
-        default="events",
-        help="cache: where it learns which rank holds what. events (default): the engines'"
-        " KV events, exact; approximate: the prompts this gateway sent to each rank, counted"
-        " against the rank's KV-cache blocks; the engines publish no events (no cost on"
-        " them, nothing to connect; generated tokens' blocks are added as requests end), but"
-        " other gateways' placements and vLLM's evictions go unseen",
+        default=None,
+        help="cache: where it learns which rank holds what. approximate (the default with one"
+        " gateway): the prompts this gateway sent to each rank and the blocks their outputs"
+        " filled, counted against the rank's KV-cache blocks; the engines publish no events"
+        " (no cost on their busy loops, nothing to connect), but other gateways' placements"
+        " and vLLM's evictions go unseen. events (the default with --gateway-count > 1,"
+        " whose gateways then share one truth): the engines' KV events, exact",
     )
     g.add_argument(
         "--routing-prefix-weight",
@@ -466,14 +467,18 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
 
 
 def _choose_routing(args: argparse.Namespace, engine_args: Any) -> None:
-    """Without --routing: ``cache`` where there are ranks to choose from and the engines can
-    publish their KV events to the gateway, else ``load`` (said in the log). Sets
-    ``args.routing`` and ``args.routing_by_default`` (gateways of a group get both)."""
+    """Without --routing: ``cache`` where there are ranks to choose from (and, with the
+    ``events`` index, the engines can publish their KV events to the gateway), else
+    ``load`` (said in the log). Without --routing-index: ``approximate`` for one gateway,
+    ``events`` for a group (its gateways share the engines' truth). Sets ``args.routing``,
+    ``args.routing_index`` and ``args.routing_by_default`` (gateways of a group get them)."""
     args.routing_by_default = args.routing is None
-    if args.routing_index != "events" and args.routing not in (None, "cache"):
+    if args.routing_index is not None and args.routing not in (None, "cache"):
         raise UsageError(
             "--routing-index", f"is where --routing cache reads its matches, not {args.routing}"
         )
+    if args.routing_index is None:
+        args.routing_index = default_routing_index(args.gateway_count)
     if args.routing is not None:
         return
     own_events = getattr(engine_args, "kv_events_config", None)

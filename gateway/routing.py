@@ -22,10 +22,12 @@ data-parallel ranks, ``load`` with one, and ``load`` where ``cache`` cannot run,
   gap being refilled, a restart) or the hashes failed their check, the request goes by
   load alone (``fallback``).
 
-Where ``cache`` reads its matches (``--routing-index``): ``events`` (the default), the
-engines' KV events (``PrefixIndex``: exact, and every gateway sees every rank); or
-``approximate``, the prompts this gateway itself placed on each rank
-(``ApproximateIndex``: no events, so no cost on the engines, but a guess).
+Where ``cache`` reads its matches (``--routing-index``, default ``default_routing_index``):
+``approximate`` (one gateway's default), the prompts this gateway itself placed on each rank
+and the blocks their outputs filled (``ApproximateIndex``: no events, so no cost on the
+engines, but a guess); or ``events`` (the default of a group of gateways, and of
+``RoutingConfig`` for code that embeds the engine), the engines' KV events
+(``PrefixIndex``: exact, and every gateway sees every rank).
 """
 
 from __future__ import annotations
@@ -41,12 +43,20 @@ __all__ = [
     "Decision",
     "Router",
     "RoutingConfig",
+    "default_routing_index",
     "reusable_blocks",
 ]
 
 ROUTING_POLICIES = ("load", "cache", "round-robin")
 ROUTING_INDEXES = ("events", "approximate")
 REASONS = ("matched", "sticky", "load", "balance_guard", "fallback", "round_robin")
+
+
+def default_routing_index(gateway_count: int) -> str:
+    """``--routing-index`` when not given: ``approximate`` for one gateway (no KV events:
+    nothing on the engines' busy loops), ``events`` for a group of gateways, which then all
+    read the same engines' events and predict the same matches."""
+    return "events" if gateway_count > 1 else "approximate"
 
 
 def reusable_blocks(matched: int, prompt_len: int, block_size: int) -> int:
@@ -93,7 +103,8 @@ class RoutingConfig:
             slack,
             max_prefix_blocks=args.routing_max_blocks,
             by_default=getattr(args, "routing_by_default", False),
-            index=getattr(args, "routing_index", "events"),
+            index=getattr(args, "routing_index", None)
+            or default_routing_index(getattr(args, "gateway_count", 1)),
         )
 
 

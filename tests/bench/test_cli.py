@@ -160,6 +160,9 @@ def test_scaled_targets_name_their_engines_and_frontends_and_report_against_the_
     assert target_routing_flags("gateway-dp2-approximate") == (
         "--routing", "cache", "--routing-index", "approximate",
     )  # fmt: skip
+    assert target_routing_flags("gateway-dp2-events") == (
+        "--routing", "cache", "--routing-index", "events",
+    )  # fmt: skip
     for plain in ("gateway-ipc", "vllm-http", "direct", "gateway-dp1", "gateway-dp8-y2"):
         assert scaled_target(plain) is None
     for wrong in ("vllm-http-dp2-load", "gateway-dp2-hash", "gateway-load"):

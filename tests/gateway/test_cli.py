@@ -365,50 +365,73 @@ def test_with_several_gateways_a_busy_metrics_port_is_a_usage_error_before_engin
 
 
 @pytest.mark.parametrize(
-    ("flags", "policy", "by_default", "events"),
+    ("flags", "policy", "by_default", "index", "events"),
     [
-        ([], "load", True, False),  # one rank: nothing to choose
-        (["--data-parallel-size", "2"], "cache", True, True),
-        (["--data-parallel-size", "2", "--no-enable-prefix-caching"], "load", True, False),
+        ([], "load", True, "approximate", False),  # one rank: nothing to choose
+        # Two ranks, one gateway: cache on what the gateway placed; the engines publish none.
+        (["--data-parallel-size", "2"], "cache", True, "approximate", False),
         (
-            ["--data-parallel-size", "2", "--kv-events-config", '{"enable_kv_cache_events": true}'],
+            ["--data-parallel-size", "2", "--no-enable-prefix-caching"],
             "load",
             True,
-            True,  # the operator's own events config, left as given
+            "approximate",
+            False,
         ),
-        (["--data-parallel-size", "2", "--routing", "load"], "load", False, False),
-        (["--data-parallel-size", "2", "--routing", "round-robin"], "round-robin", False, False),
-        (["--routing", "cache"], "cache", False, True),
-        # The approximate index needs no events: the engines publish none.
-        (["--data-parallel-size", "2", "--routing-index", "approximate"], "cache", True, False),
+        # The operator's own events config is left as given; routing needs none of it.
+        (
+            ["--data-parallel-size", "2", "--kv-events-config", '{"enable_kv_cache_events": true}'],
+            "cache",
+            True,
+            "approximate",
+            True,
+        ),
+        (["--data-parallel-size", "2", "--routing", "load"], "load", False, "approximate", False),
+        (
+            ["--data-parallel-size", "2", "--routing", "round-robin"],
+            "round-robin",
+            False,
+            "approximate",
+            False,
+        ),
+        (["--routing", "cache"], "cache", False, "approximate", False),
+        # The events index, asked for: KV events on private ipc sockets.
+        (["--data-parallel-size", "2", "--routing-index", "events"], "cache", True, "events", True),
+        # A group of gateways: the events index by default, every gateway reading them all.
+        (["--data-parallel-size", "2", "--gateway-count", "2"], "cache", True, "events", True),
         (
             ["--data-parallel-size", "2", "--gateway-count", "2", "--routing-index", "approximate"],
             "cache",
             True,
+            "approximate",
             False,  # each gateway of the group guesses from its own placements
         ),
+        # With the events index, an operator's own events config goes where it says, and
+        # the gateway cannot read it: load.
         (
             [
                 "--data-parallel-size",
                 "2",
                 "--routing-index",
-                "approximate",
+                "events",
                 "--kv-events-config",
                 '{"enable_kv_cache_events": true}',
             ],
-            "cache",
+            "load",
             True,
-            True,  # the operator's events go where they say; routing needs none of them
+            "events",
+            True,
         ),
     ],
 )
 def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
-    flags, policy, by_default, events
+    flags, policy, by_default, index, events
 ):
-    """The policy `serve` starts with, from vLLM's own configuration of the command line (no
-    engine started): ``cache`` is the default with two or more ranks and prefix caching on,
-    with its KV events on private ipc sockets; ``load`` otherwise, and where the operator
-    named the events' endpoints; an explicit --routing is kept as given."""
+    """The policy and index `serve` starts with, from vLLM's own configuration of the
+    command line (no engine started): ``cache`` is the default with two or more ranks and
+    prefix caching on, with the ``approximate`` index for one gateway (no KV events) and
+    the ``events`` index for a group (KV events on private ipc sockets); ``load``
+    otherwise, and where the events index cannot read the events; an explicit --routing or
+    --routing-index is kept as given."""
     from gateway.cli import _preflight, build_parser
     from gateway.routing import RoutingConfig
     from gateway.tiny_model import ensure_tiny_model
@@ -421,7 +444,8 @@ def test_without_routing_flag_two_ranks_route_by_cache_and_one_by_load(
     _, config = _preflight(args)
     try:
         assert (args.routing, args.routing_by_default) == (policy, by_default)
-        assert RoutingConfig.from_args(args).index == args.routing_index  # what gateways get
+        assert args.routing_index == index
+        assert RoutingConfig.from_args(args).index == index  # what gateways get
         kv_events = config.kv_events_config
         assert (kv_events is not None and kv_events.enable_kv_cache_events) == events
         if events and "--kv-events-config" not in flags:

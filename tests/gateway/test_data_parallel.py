@@ -218,7 +218,7 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         results = [await client.complete([5, 6], short, options=pinned(r)) for r in (0, 1)]
         assert results[0].token_ids == results[1].token_ids  # same weights on both ranks
-        # No --routing: two ranks route by cache (the default), with a feed from each.
+        # No --routing: two ranks route by cache (the default; one gateway: approximate index).
         reply = await client.prefix_query(list(range(4, 100)))
         assert reply.routing == "cache" and len(reply.matched_tokens) == 2, reply
 
@@ -370,6 +370,8 @@ async def test_two_nodes_over_loopback_a_headless_vllm_engine_and_a_gateway_head
             "0",
             "--routing",
             "cache",
+            "--routing-index",
+            "events",
             "--metrics-port",
             str(metrics_port),
             env={"VLLM_CPU_OMP_THREADS_BIND": "0"},

@@ -262,7 +262,7 @@ async def test_a_sleep_that_drops_the_kv_cache_empties_the_approximate_index():
     the approximate index forgets; a level-0 sleep (a pause) keeps it."""
     from types import SimpleNamespace
 
-    from gateway.approximate_index import ApproximateIndex
+    from gateway.approximate_index import ApproximateIndex, PlacedSequences
     from gateway.vllm.engine import VllmEngine
 
     slept = []
@@ -276,8 +276,11 @@ async def test_a_sleep_that_drops_the_kv_cache_empties_the_approximate_index():
     engine._client = SimpleNamespace(sleep_async=sleep_async)
     engine.approximate_index = ApproximateIndex(2, 16)
     engine.approximate_index.record(1, ["a", "b"])
+    engine.placed_sequences = PlacedSequences(engine.approximate_index, 16)
+    engine.placed_sequences.start("generating", 1, [5] * 3, [], ("seed",))
 
     await engine.sleep(0)
-    assert engine.approximate_index.sizes() == [0, 2]
+    assert engine.approximate_index.sizes() == [0, 2] and len(engine.placed_sequences) == 1
     await engine.sleep(1)
     assert engine.approximate_index.sizes() == [0, 0] and slept == [0, 1]
+    assert len(engine.placed_sequences) == 0  # its blocks so far are gone with the cache
