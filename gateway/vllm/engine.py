@@ -219,19 +219,20 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
             params.output_kind = (
                 RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
             )
+            n = params.n
+            if n > 1 and params.seed is not None and params.seed + n - 1 > _INT64_MAX:
+                # Before _process, which routes: a refused request is placed nowhere.
+                raise RequestRejected(
+                    f"seed + n - 1 must be at most {_INT64_MAX} (sample i of n uses seed + i),"
+                    f" got seed={params.seed} and n={n}."
+                )
             core_request = self._process(engine_request_id, request, params)
         except RequestRejected:
             raise
         except (VLLMValidationError, ValueError, TypeError, OverflowError) as exc:
             raise RequestRejected(str(exc)) from None
-        n = params.n
         if n == 1:
             return [core_request]
-        if params.seed is not None and params.seed + n - 1 > _INT64_MAX:
-            raise RequestRejected(
-                f"seed + n - 1 must be at most {_INT64_MAX} (sample i of n uses seed + i),"
-                f" got seed={params.seed} and n={n}."
-            )
         # Each sample from the *processed* params (the model's EOS ids added to the stop
         # ids, max_tokens resolved), as vLLM's ParentRequest copies them.
         processed = core_request.sampling_params

@@ -14,7 +14,7 @@ import random
 import msgspec
 import pytest
 
-from client import AsyncClient, GatewayPool, RequestOptions, SamplingParams
+from client import AsyncClient, GatewayPool, RequestFailed, RequestOptions, SamplingParams
 from gateway.routing import RoutingConfig
 from tests.conftest import cpu_engine_args, running_gateway
 from tests.gateway.test_data_parallel import ONE_CORE_PER_RANK, environment
@@ -402,5 +402,12 @@ async def test_the_approximate_index_matches_a_conversations_next_turn_whole(cli
             extended = prompt + sample.token_ids + [9]
             assert (await client.prefix_query(extended)).matched_tokens[rank] == 2 * BLOCK
         assert not engine.placed_sequences  # every request it followed has ended
+        # A request refused (seed + n - 1 past int64) is placed nowhere, and not followed.
+        refused = fresh_prompt(2)
+        with pytest.raises(RequestFailed, match="seed"):
+            overflow = SamplingParams(n=2, seed=2**63 - 1, max_tokens=2)
+            await client.complete_samples(refused, overflow)
+        assert (await client.prefix_query(refused)).matched_tokens == [0, 0]
+        assert not engine.placed_sequences
     finally:
         engine.router = events_router
