@@ -168,18 +168,11 @@ class PlacedSequences:
                 sequence, hashes=list(sequence.hashes), tail=list(sequence.tail)
             )
 
-    def extend(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """A followed request's new tokens (not followed: ignored)."""
-        sequence = self._sequences.get(request_id)
-        if sequence is not None:
-            sequence.tail += token_ids
-            if len(sequence.tail) > self.block_size:
-                self._hash_computed_blocks(sequence)
-
     def observe(self, outputs: Iterable[Any]) -> None:
         """One engine step's outputs (``request_id``, ``new_token_ids``, ``finish_reason``):
-        ``extend`` each followed request, ``end`` those that finished. Runs for every
-        output of every step, so it is one loop with nothing else in it."""
+        each followed request's new tokens join its tail (outputs of requests not followed
+        are skipped), and those that finished ``end``. Runs for every output of every step,
+        so it is one loop with nothing else in it."""
         sequences, size = self._sequences, self.block_size
         for out in outputs:
             sequence = sequences.get(out.request_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace as Output
+
 import pytest
 
 from gateway.approximate_index import ApproximateIndex, PlacedSequences, chained_block_hashes
@@ -97,6 +99,11 @@ def _placed(index, block, max_blocks=None):
     return PlacedSequences(index, block, max_blocks), ("seed",)
 
 
+def _step(sequences, request_id, token_ids):
+    """One engine step's new tokens for one request, handed over as the engine does."""
+    sequences.observe([Output(request_id=request_id, new_token_ids=token_ids, finish_reason=None)])
+
+
 def test_a_finished_requests_output_blocks_join_its_prompts_as_one_chain():
     """The next turn of a conversation (prompt + answer + more) matches the whole previous
     turn, less the last sampled token, which vLLM never computes."""
@@ -106,9 +113,9 @@ def test_a_finished_requests_output_blocks_join_its_prompts_as_one_chain():
     hashes = chained_block_hashes(prompt, 4, seed)
     index.record(1, hashes)
     sequences.start("r", 1, prompt, hashes, seed)
-    sequences.extend("r", [20, 21])  # block 3 full, but nothing after it yet
-    sequences.extend("r", [22])
-    sequences.extend("r", [23, 24, 25])  # 10 + 6 = 16 tokens: 3 blocks computed
+    _step(sequences, "r", [20, 21])  # block 3 full, but nothing after it yet
+    _step(sequences, "r", [22])
+    _step(sequences, "r", [23, 24, 25])  # 10 + 6 = 16 tokens: 3 blocks computed
     assert len(sequences) == 1
     sequences.end("r")
     assert len(sequences) == 0
@@ -125,8 +132,8 @@ def test_samples_each_follow_their_own_output_and_an_abort_records_what_was_comp
     prompt = [1, 2, 3]
     sequences.start("r", 0, prompt, chained_block_hashes(prompt, 2, seed), seed)
     sequences.split("r", ["r-0", "r-1"])
-    sequences.extend("r-0", [10, 11, 12])
-    sequences.extend("r-1", [20, 21, 22])
+    _step(sequences, "r-0", [10, 11, 12])
+    _step(sequences, "r-1", [20, 21, 22])
     sequences.end("r-0")
     sequences.end("r-1")  # (the engine's abort: the same record)
     for answer in ([10, 11, 12], [20, 21, 22]):
@@ -144,7 +151,7 @@ def test_following_stops_at_the_block_limit_and_forgets_the_oldest_past_kept():
     assert len(sequences) == 0  # nothing more to add
     prompt = [1, 2, 3]
     sequences.start("a", 0, prompt, chained_block_hashes(prompt, 2, seed, 3), seed)
-    sequences.extend("a", list(range(10, 20)))
+    _step(sequences, "a", list(range(10, 20)))
     sequences.end("a")
     assert index.sizes() == [3]
     for name in ("x", "y", "z"):
@@ -155,8 +162,6 @@ def test_following_stops_at_the_block_limit_and_forgets_the_oldest_past_kept():
 
 
 def test_a_steps_outputs_extend_their_requests_and_a_finish_records_them():
-    from types import SimpleNamespace as Output
-
     index = ApproximateIndex(2, capacity_blocks=100)
     sequences, seed = _placed(index, 2)
     prompt = [1, 2, 3]
