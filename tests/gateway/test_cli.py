@@ -70,6 +70,23 @@ def session_members(sid: int) -> list[int]:
     return members
 
 
+# A python_prelude under which importing vLLM (vllm or any vllm.* module) exits 3 with
+# "vLLM was imported"; finding it (importlib.util.find_spec) still works.
+VLLM_IMPORT_FAILS = """
+import importlib.abc, importlib.machinery, sys
+class _VllmImportFails(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        sys.stderr.write("vLLM was imported\\n")
+        raise SystemExit(3)
+sys.meta_path.insert(0, _VllmImportFails())
+"""
+
+
 def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
     lines = err.strip().splitlines()
     assert code == 2, err
@@ -108,9 +125,11 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
     ],
 )
 def test_bad_flags_fail_fast_with_one_line_naming_the_flag(argv, fragments):
-    code, _, err, elapsed = run_cli("serve", *argv)
+    # Any import of vLLM (which the engine's start needs too) exits 3 naming it: the check
+    # is that vLLM is never imported, not how fast a loaded CI machine happens to be (a
+    # wall-clock bound of 8 s, against ~0.2 s on an idle VM, failed once at 8.2 s in CI).
+    code, _, err, _ = run_cli("serve", *argv, python_prelude=VLLM_IMPORT_FAILS)
     assert_one_line_error(code, err, *fragments)
-    assert elapsed < 8, f"took {elapsed:.1f}s: was vLLM imported or the engine started?"
 
 
 def test_a_bad_kv_event_interval_in_the_environment_is_one_line_naming_it():
