@@ -28,6 +28,7 @@ from ..parent_watch import watch_parent
 from ..process_exit import describe_process_exit
 from ..quick_exit import end_spawned_process_quickly
 from ..stop_signals import ignore_terminal_interrupt
+from .borrowed_cores import borrowed_cores
 from .deaths import write_death_report
 from .kv_event_batches import batch_kv_events_when_asked
 from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
@@ -336,7 +337,7 @@ def _reload_weights_safely() -> None:
             finished += 1
 
         try:
-            with layer_processing(process_and_count):
+            with layer_processing(process_and_count), borrowed_cores():
                 reload(self, weights_path=weights_path)
         except Exception as exc:
             # vLLM pointed the config at the new path first; it still serves the old one.
@@ -348,7 +349,8 @@ def _reload_weights_safely() -> None:
                 if finished
                 else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
             ) from exc
-        scrub_kv_cache(self)  # KV that the old weights wrote must not reach the new ones
+        with borrowed_cores():
+            scrub_kv_cache(self)  # KV that the old weights wrote must not reach the new ones
         return {"layers_updated": finished, "layers": len(plan.layer_elements) if plan else 0}
 
     Worker.reload_weights = reload_weights

@@ -30,10 +30,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .borrowed_cores import borrowed_cores
 from .layerwise import (
     abandon_reload,
     checkpoint_shapes,
@@ -217,7 +217,7 @@ def guard_weight_updates() -> None:
         else:
             names = []  # vLLM refuses it: no update is open
         try:
-            with _counting(progress):
+            with _counting(progress), borrowed_cores():
                 update(self, update_info)
         except BaseException:
             # vLLM ended the update, leaving unfinished layers on the meta device.
@@ -239,8 +239,9 @@ def guard_weight_updates() -> None:
                     f" their tensors ({shown}); they keep their old weights"
                 )
             progress.updated.update(id(layer) for layer in _loading_layers(model))
-        finish(self)
-        scrub_kv_cache(self)
+        with borrowed_cores():
+            finish(self)
+            scrub_kv_cache(self)
 
     def engine_gateway_weight_update_state(self: Any) -> dict[str, Any]:
         progress = _progress(self)
@@ -351,23 +352,16 @@ def scrub_kv_cache(worker: Any) -> None:
     started = time.perf_counter()
     caches = getattr(worker.model_runner, "kv_caches", None) or []
     pending = list(caches)
-    serving_threads = torch.get_num_threads()
-    # The engine runs no step meanwhile: every core this worker may use takes a share (one
-    # pass at memory speed; about 0.16 s per GiB on one core of the 2-core CI machine).
-    torch.set_num_threads(max(len(os.sched_getaffinity(0)), serving_threads))
-    try:
-        while pending:
-            cache = pending.pop()
-            if isinstance(cache, (list, tuple)):
-                pending.extend(cache)
-            elif isinstance(cache, torch.Tensor) and cache.dtype in (
-                torch.float32,
-                torch.float16,
-                torch.bfloat16,
-            ):
-                torch.nan_to_num_(cache, nan=0.0, posinf=0.0, neginf=0.0)
-    finally:
-        torch.set_num_threads(serving_threads)
+    while pending:
+        cache = pending.pop()
+        if isinstance(cache, (list, tuple)):
+            pending.extend(cache)
+        elif isinstance(cache, torch.Tensor) and cache.dtype in (
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+        ):
+            torch.nan_to_num_(cache, nan=0.0, posinf=0.0, neginf=0.0)
     logger.debug("KV cache scrubbed of non-finite values in %.3fs", time.perf_counter() - started)
 
 

