@@ -257,8 +257,10 @@ def guard_weight_updates() -> None:
         }
 
     def engine_gateway_weights_digest(self: Any) -> str:
-        # The same on each worker's peers in the other DP ranks (one TP/PP shard).
-        return weights_digest(self.model_runner.get_model())
+        # The same on each worker's peers in the other DP ranks (one TP/PP shard); exact on
+        # any number of threads (a packed layer is read through one-hot rows).
+        with borrowed_cores():
+            return weights_digest(self.model_runner.get_model())
 
     def engine_gateway_weight_update_active(self: Any) -> bool:
         return bool(getattr(self, "_weight_update_active", False))
