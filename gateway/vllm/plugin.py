@@ -337,7 +337,7 @@ def _reload_weights_safely() -> None:
             finished += 1
 
         try:
-            with layer_processing(process_and_count), borrowed_cores():
+            with layer_processing(process_and_count), borrowed_cores(self.vllm_config):
                 reload(self, weights_path=weights_path)
         except Exception as exc:
             # vLLM pointed the config at the new path first; it still serves the old one.
@@ -349,7 +349,7 @@ def _reload_weights_safely() -> None:
                 if finished
                 else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
             ) from exc
-        with borrowed_cores():
+        with borrowed_cores(self.vllm_config):
             scrub_kv_cache(self)  # KV that the old weights wrote must not reach the new ones
         return {"layers_updated": finished, "layers": len(plan.layer_elements) if plan else 0}
 

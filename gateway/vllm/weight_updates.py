@@ -217,7 +217,7 @@ def guard_weight_updates() -> None:
         else:
             names = []  # vLLM refuses it: no update is open
         try:
-            with _counting(progress), borrowed_cores():
+            with _counting(progress), borrowed_cores(self.vllm_config):
                 update(self, update_info)
         except BaseException:
             # vLLM ended the update, leaving unfinished layers on the meta device.
@@ -239,7 +239,7 @@ def guard_weight_updates() -> None:
                     f" their tensors ({shown}); they keep their old weights"
                 )
             progress.updated.update(id(layer) for layer in _loading_layers(model))
-        with borrowed_cores():
+        with borrowed_cores(self.vllm_config):
             finish(self)
             scrub_kv_cache(self)
 
@@ -259,7 +259,7 @@ def guard_weight_updates() -> None:
     def engine_gateway_weights_digest(self: Any) -> str:
         # The same on each worker's peers in the other DP ranks (one TP/PP shard); exact on
         # any number of threads (a packed layer is read through one-hot rows).
-        with borrowed_cores():
+        with borrowed_cores(self.vllm_config):
             return weights_digest(self.model_runner.get_model())
 
     def engine_gateway_weight_update_active(self: Any) -> bool:

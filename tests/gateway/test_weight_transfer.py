@@ -582,12 +582,12 @@ async def test_an_update_also_runs_on_the_idle_cores_and_serving_steps_do_not(
     generate (the serving team is back to its size)."""
     import psutil
 
-    from gateway.vllm.borrowed_cores import _numa_nodes, idle_cores
+    from gateway.vllm.borrowed_cores import _numa_nodes, cores_to_borrow
 
     (engine_pid,) = small_gateway.engine._engine_pids
     (worker,) = [p for p in psutil.Process(engine_pid).children() if p.name() == "VLLM::Worker"]
     own = os.sched_getaffinity(worker.pid)
-    spare = idle_cores(own, os.sched_getaffinity(engine_pid), _numa_nodes())
+    spare = cores_to_borrow(own, os.sched_getaffinity(engine_pid), _numa_nodes())
     await send_model(client, models[1])
     assert os.sched_getaffinity(worker.pid) == own
     pinned = {t.id for t in worker.threads() if os.sched_getaffinity(t.id) == spare}
