@@ -18,14 +18,12 @@ vLLM's workers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
-import logging
 import os
 import re
 from collections.abc import Iterator
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["borrowed_cores", "cores_to_borrow"]
 
@@ -83,6 +81,7 @@ def _spare_cores(local_ranks: int) -> set[int]:
     return cores_to_borrow(own, allowed, _numa_nodes(), local_ranks)
 
 
+@functools.cache  # the machine's topology: read once per worker
 def _numa_nodes() -> dict[int, int]:
     nodes = {}
     for path in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/node[0-9]*"):

@@ -336,20 +336,21 @@ def _reload_weights_safely() -> None:
             process(layer, info)
             finished += 1
 
-        try:
-            with layer_processing(process_and_count), borrowed_cores(self.vllm_config):
-                reload(self, weights_path=weights_path)
-        except Exception as exc:
-            # vLLM pointed the config at the new path first; it still serves the old one.
-            model_config.model, model_config.model_weights, model_config.revision = source
-            abandon_reload(model)
-            raise RuntimeError(
-                f"reloading weights from {path!r} {RELOAD_PART_WAY} ({exc}): {finished} layers"
-                " took new weights and the others have their old ones"
-                if finished
-                else f"reloading weights from {path!r} failed ({exc}); the weights are unchanged"
-            ) from exc
-        with borrowed_cores(self.vllm_config):
+        with borrowed_cores(self.vllm_config):  # the reload and the scrub: one scope
+            try:
+                with layer_processing(process_and_count):
+                    reload(self, weights_path=weights_path)
+            except Exception as exc:
+                # vLLM pointed the config at the new path first; it still serves the old one.
+                model_config.model, model_config.model_weights, model_config.revision = source
+                abandon_reload(model)
+                raise RuntimeError(
+                    f"reloading weights from {path!r} {RELOAD_PART_WAY} ({exc}): {finished}"
+                    " layers took new weights and the others have their old ones"
+                    if finished
+                    else f"reloading weights from {path!r} failed ({exc}); the weights are"
+                    " unchanged"
+                ) from exc
             scrub_kv_cache(self)  # KV that the old weights wrote must not reach the new ones
         return {"layers_updated": finished, "layers": len(plan.layer_elements) if plan else 0}
 

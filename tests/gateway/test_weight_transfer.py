@@ -590,10 +590,10 @@ async def test_an_update_also_runs_on_the_idle_cores_and_serving_steps_do_not(
     spare = cores_to_borrow(own, os.sched_getaffinity(engine_pid), _numa_nodes())
     await send_model(client, models[1])
     assert os.sched_getaffinity(worker.pid) == own
-    pinned = {t.id for t in worker.threads() if os.sched_getaffinity(t.id) == spare}
     if not spare:  # every core this engine may use is the worker's own: nothing to borrow
         assert all(os.sched_getaffinity(t.id) <= own for t in worker.threads())
         return
+    pinned = {t.id for t in worker.threads() if os.sched_getaffinity(t.id) == spare}
     assert pinned, f"no thread of the worker moved to the idle cores {spare}"
 
     def cpu_seconds() -> dict[int, float]:
