@@ -10,9 +10,10 @@
   failure, timeout or cancellation on the way abandons the update, so the engine never
   stays held, and the original error is raised.
 - ``GatewayWeightSyncClient(client)``: vLLM's ``VLLMWeightSyncClient`` protocol over a
-  gateway, for vLLM's own trainer engines (``nccl``, ``ipc``, and the ``cpu`` one in
-  ``client.vllm_trainer``): ``WeightTransferTrainerFactory.trainer_init(init_info,
-  client=GatewayWeightSyncClient(gw), source=...)`` then ``send_weights()``.
+  gateway, for vLLM's own trainer engines (``nccl``, and the ``cpu`` one in
+  ``client.vllm_trainer``; not ``ipc``, whose handles are Python objects):
+  ``WeightTransferTrainerFactory.trainer_init(init_info, client=GatewayWeightSyncClient(gw),
+  source=...)`` then ``send_weights()``.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ layers it had not finished on the meta device (the next step kills the engine), 
 for the rest. Here, on every backend:
 
 - a failed start or chunk puts the old tensors back into each unfinished layer;
+- a chunk carrying a pickle (vLLM's ``ipc`` backend reads ``ipc_handles_pickled`` with
+  ``pickle.loads`` where ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, for its HTTP routes) is
+  refused before vLLM parses it: what a client sends is never unpickled;
 - a chunk is checked before anything in it loads: every tensor a name of the served
   checkpoint, of its shape and dtype kind, and sent once in the update (vLLM counts a
   layer's elements, so a tensor sent twice would stand in for one never sent, and the
@@ -44,7 +47,14 @@ from .layerwise import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UpdatePlan", "check_chunk", "guard_weight_updates", "scrub_kv_cache", "update_plan"]
+__all__ = [
+    "UpdatePlan",
+    "check_chunk",
+    "guard_weight_updates",
+    "refuse_pickles",
+    "scrub_kv_cache",
+    "update_plan",
+]
 
 REFUSED = "weight update refused"  # how a chunk refused before anything moved begins
 
@@ -99,6 +109,23 @@ def update_plan(model: Any, vllm_config: Any, *, compute: bool = True) -> Update
 
 
 _FLOATING = ("float64", "float32", "float16", "bfloat16")
+
+
+def refuse_pickles(update_info: Any) -> None:
+    """Refuse (ValueError naming the field) a chunk whose map, or any map of its list, has a
+    field vLLM would unpickle: by vLLM's naming, one ending in ``_pickled`` (the ``ipc``
+    backend's ``ipc_handles_pickled``, for its HTTP routes). A pickle runs code of the
+    sender's choosing in the worker; what a client sends is data only."""
+    for entry in update_info if isinstance(update_info, list) else [update_info]:
+        if not isinstance(entry, dict):
+            continue
+        for key in entry:
+            if isinstance(key, str) and key.endswith("_pickled"):
+                raise ValueError(
+                    f"{REFUSED}: update_info.{key} is a pickle, and the gateway never"
+                    " unpickles what a client sends (it would run code of the sender's"
+                    " choosing in the engine)"
+                )
 
 
 def check_chunk(
@@ -203,6 +230,7 @@ def guard_weight_updates() -> None:
         if getattr(self, "_weight_update_active", False):
             local = _local_update_info(self, update_info)
             try:
+                refuse_pickles(update_info)
                 check_chunk(
                     getattr(self, "_engine_gateway_plan", None),
                     local.get("names"),

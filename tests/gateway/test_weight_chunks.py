@@ -307,3 +307,13 @@ def test_a_layer_failing_while_built_in_place_counts_as_holding_new_weights():
     layerwise._place_kernel_tensors(layer, info)
     info.reset()
     assert not holds_kernel_memory(layer, info)
+
+
+def test_a_field_vllm_would_unpickle_is_refused_in_a_map_or_any_entry_of_a_list():
+    from gateway.vllm.weight_updates import refuse_pickles
+
+    refuse_pickles({"names": [GATE], "ipc_handles": [{}]})  # data: passed on
+    refuse_pickles([{"names": [GATE]}, "not a map"])
+    for update_info in ({"ipc_handles_pickled": "gASV"}, [{}, {"x_pickled": ""}]):
+        with pytest.raises(ValueError, match=r"update_info\.\w+_pickled is a pickle"):
+            refuse_pickles(update_info)
