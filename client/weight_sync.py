@@ -10,8 +10,9 @@
   failure, timeout or cancellation on the way abandons the update, so the engine never
   stays held, and the original error is raised.
 - ``GatewayWeightSyncClient(client)``: vLLM's ``VLLMWeightSyncClient`` protocol over a
-  gateway, for vLLM's own trainer engines (``nccl``, and the ``cpu`` one in
-  ``client.vllm_trainer``; not ``ipc``, whose handles are Python objects):
+  gateway, for trainer engines of vLLM's interface (the ``cpu`` one in
+  ``client.vllm_trainer``; the gateway refuses vLLM's ``nccl`` TCPStore rendezvous and its
+  ``ipc`` backend: PROTOCOL.md §7.14):
   ``WeightTransferTrainerFactory.trainer_init(init_info, client=GatewayWeightSyncClient(gw),
   source=...)`` then ``send_weights()``.
 """

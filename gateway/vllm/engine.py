@@ -41,7 +41,7 @@ from .launch import (
 from .multimodal import MultimodalInputs
 from .outputs import ConvertedOutput, stopping_eos_token_ids, to_wire_logprobs
 from .prefix_routing import PrefixRouting
-from .transfer import WeightTransferControls
+from .transfer import WeightTransferControls, check_transfer_backend
 from .weight_updates import RELOAD_PART_WAY
 
 logger = logging.getLogger(__name__)
@@ -172,6 +172,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
 
         if vllm_config is None:
             vllm_config = engine_config(engine_args)
+        check_transfer_backend(vllm_config)  # a config made elsewhere too
         set_engine_environment(vllm_config)
         shared = dict(client_config or {})
         count, index = shared.pop("client_count", 1), shared.pop("client_index", 0)

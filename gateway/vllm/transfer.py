@@ -23,7 +23,49 @@ from .weight_updates import REFUSED
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightTransferControls"]
+__all__ = [
+    "SERVED_BACKENDS",
+    "WeightTransferControls",
+    "check_transfer_backend",
+    "refuse_store_rendezvous",
+]
+
+# vLLM's weight-transfer backends the gateway serves: the ones whose maps it has checked
+# for what a client may send. vLLM's others were written for a trusted trainer: ``ipc``
+# sends Python objects (msgpack cannot carry them; their pickled form runs the sender's
+# code), the Ray ones name trainer actors and their methods.
+SERVED_BACKENDS = ("cpu", "nccl")
+
+# Init fields of vLLM's TCPStore rendezvous: the workers join a store at the address the
+# client names, and vLLM's StatelessProcessGroup unpickles what that store holds (the NCCL
+# unique id, by broadcast_obj), code of the store owner's choosing.
+_STORE_RENDEZVOUS = ("master_address", "master_port")
+
+
+def check_transfer_backend(vllm_config: Any) -> None:
+    """Refuse (ValueError) an engine configured with a weight-transfer backend the gateway
+    does not serve."""
+    backend = getattr(getattr(vllm_config, "weight_transfer_config", None), "backend", None)
+    if backend is not None and backend not in SERVED_BACKENDS:
+        raise ValueError(
+            f"--weight-transfer-config: the gateway serves the {' and '.join(SERVED_BACKENDS)}"
+            f" backends, not {backend!r}: its maps carry what a client must not send (ipc:"
+            " Python objects, which msgpack cannot carry and a pickle would run)"
+        )
+
+
+def refuse_store_rendezvous(init_info: dict) -> None:
+    """Refuse (RequestRejected naming the fields) an ``nccl`` init map that asks for vLLM's
+    TCPStore rendezvous; its unique-id rendezvous (``nccl_unique_id_b64``) exchanges no
+    Python objects."""
+    asked = [key for key in _STORE_RENDEZVOUS if key in init_info]
+    if asked:
+        raise RequestRejected(
+            f"init_info.{'/'.join(asked)}: the TCPStore rendezvous is refused, since vLLM's"
+            " workers would unpickle what the store at that address holds (code of its"
+            " owner's choosing); send nccl_unique_id_b64 (base64 of the trainer's"
+            " ncclGetUniqueId) instead"
+        )
 
 
 class WeightTransferControls:
@@ -46,6 +88,7 @@ class WeightTransferControls:
         if not isinstance(init_info, dict):
             raise RequestRejected("init_info must be a map")
         if self._transfer_backend() != "cpu":
+            refuse_store_rendezvous(init_info)
             await self._checked_weight_call("init_weight_transfer_engine", {"init_info": init_info})
             return None
         if init_info:

@@ -291,7 +291,8 @@ def test_top_level_usage_and_unknown_command():
 
 def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
     """Needs vLLM's parser (~10 s each): --help, an unknown flag, a config vLLM refuses,
-    --lora-module without --enable-lora, --routing cache without prefix caching."""
+    --lora-module without --enable-lora, --routing cache without prefix caching, a
+    weight-transfer backend the gateway does not serve."""
     (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
     runs = {
         "help": ["serve", "--help"],
@@ -299,6 +300,7 @@ def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
         "config": ["serve", str(tmp_path)],
         "lora": ["serve", "--lora-module", f"a={tmp_path}"],  # without --enable-lora
         "cache": ["serve", "--routing", "cache", "--no-enable-prefix-caching"],
+        "ipc": ["serve", "--weight-transfer-config", '{"backend": "ipc"}'],
     }
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two at a time: two cores
         futures = {name: pool.submit(run_cli, *argv) for name, argv in runs.items()}
@@ -313,6 +315,8 @@ def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
     assert_one_line_error(code, err, "engine configuration", "no-such-architecture")
     code, _, err, _ = results["cache"]
     assert_one_line_error(code, err, "--routing", "prefix caching is off")
+    code, _, err, _ = results["ipc"]
+    assert_one_line_error(code, err, "--weight-transfer-config", "cpu and nccl", "not 'ipc'")
     code, _, err, seconds = results["lora"]
     assert_one_line_error(code, err, "--lora-module", "needs --enable-lora")
     assert seconds < 60, seconds  # before the engine starts
