@@ -9,9 +9,10 @@ layers it had not finished on the meta device (the next step kills the engine), 
 for the rest. Here, on every backend:
 
 - a failed start or chunk puts the old tensors back into each unfinished layer;
-- a chunk carrying a pickle (vLLM's ``ipc`` backend reads ``ipc_handles_pickled`` with
-  ``pickle.loads`` where ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, for its HTTP routes) is
-  refused before vLLM parses it: what a client sends is never unpickled;
+- a chunk carrying a field vLLM would unpickle (``*_pickled``: the ``ipc`` backend reads
+  ``ipc_handles_pickled`` with ``pickle.loads`` where ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)
+  is refused before vLLM parses it: what a client sends is never unpickled (the gateway
+  does not serve ``ipc``; this holds whatever backend a later vLLM adds such a field to);
 - a chunk is checked before anything in it loads: every tensor a name of the served
   checkpoint, of its shape and dtype kind, and sent once in the update (vLLM counts a
   layer's elements, so a tensor sent twice would stand in for one never sent, and the
