@@ -19,7 +19,7 @@ import re
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from client.vllm_wheel import vision_encoders_without_pixtral
@@ -29,6 +29,7 @@ from ..process_exit import describe_process_exit
 from ..quick_exit import end_spawned_process_quickly
 from ..stop_signals import ignore_terminal_interrupt
 from .borrowed_cores import borrowed_cores
+from .checked_files import copy_regular_tree, regular_files_linked
 from .deaths import write_death_report
 from .kv_event_batches import batch_kv_events_when_asked
 from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
@@ -59,6 +60,9 @@ def load_vllm_plugin() -> None:
     - An adapter's folder deleted or rewritten after it was loaded no longer kills the
       engine (or serves other weights under its name): each worker reads an adapter from a
       private copy made when it is loaded (``_load_adapters_from_a_private_copy``).
+    - A checkpoint or adapter folder a client names is read only from its regular files,
+      each checked on the descriptor it is read from: a named pipe there blocked vLLM's
+      read, and every step with it, for good (``checked_files``).
     - On the CPU platform, seeded sampling survives chunked prefill (below).
     - On an x86 CPU with AMX, each process asks Linux for the AMX tile registers before
       vLLM's CPU attention runs tile instructions, which it does without asking: the
@@ -325,48 +329,77 @@ def _reload_weights_safely() -> None:
         model = self.model_runner.get_model()
         model_config = self.vllm_config.model_config
         path = model_config.model if weights_path is None else weights_path
-        with set_current_vllm_config(self.vllm_config):
-            plan = update_plan(model, self.vllm_config)  # the served checkpoint's, cached
-            _check_reload(model, model_config, self.vllm_config.load_config, path)
-        source = (model_config.model, model_config.model_weights, model_config.revision)
-        finished = 0
-
-        def process_and_count(process: Callable[[Any, Any], None], layer: Any, info: Any) -> None:
-            nonlocal finished
-            process(layer, info)
-            finished += 1
-
-        with borrowed_cores(self.vllm_config):  # the reload and the scrub: one scope
-            try:
-                with layer_processing(process_and_count):
-                    reload(self, weights_path=weights_path)
-            except Exception as exc:
-                # vLLM pointed the config at the new path first; it still serves the old one.
-                model_config.model, model_config.model_weights, model_config.revision = source
-                abandon_reload(model)
-                raise RuntimeError(
-                    f"reloading weights from {path!r} {RELOAD_PART_WAY} ({exc}): {finished}"
-                    " layers took new weights and the others have their old ones"
-                    if finished
-                    else f"reloading weights from {path!r} failed ({exc}); the weights are"
-                    " unchanged"
-                ) from exc
-            scrub_kv_cache(self)  # KV that the old weights wrote must not reach the new ones
-        return {"layers_updated": finished, "layers": len(plan.layer_elements) if plan else 0}
+        with contextlib.ExitStack() as opened:
+            # A client's folder is read through links to the regular files checked here.
+            read_from = path if weights_path is None else opened.enter_context(_linked(path))
+            with set_current_vllm_config(self.vllm_config):
+                plan = update_plan(model, self.vllm_config)  # the served checkpoint's, cached
+                _check_reload(model, model_config, self.vllm_config.load_config, read_from, path)
+            return _reload_checked(self, reload, model, plan, read_from, path)
 
     Worker.reload_weights = reload_weights
     Worker._engine_gateway_plugin = True
 
 
-def _check_reload(model: Any, model_config: Any, load_config: Any, path: str) -> None:
+@contextlib.contextmanager
+def _linked(path: str) -> Iterator[str]:
+    """``regular_files_linked(path)``, refusing (ValueError naming ``path``) what is not a
+    folder."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a folder on the engine's machine")
+    with regular_files_linked(path) as linked:
+        yield linked
+
+
+def _reload_checked(
+    worker: Any, reload: Callable[..., Any], model: Any, plan: Any, read_from: str, path: str
+) -> dict[str, int]:
+    """vLLM's reload from ``read_from`` (``path``, or links to its checked files), undone
+    where it fails; the config names ``path`` after, as vLLM's own reload would."""
+    model_config = worker.vllm_config.model_config
+    source = (model_config.model, model_config.model_weights, model_config.revision)
+    finished = 0
+
+    def process_and_count(process: Callable[[Any, Any], None], layer: Any, info: Any) -> None:
+        nonlocal finished
+        process(layer, info)
+        finished += 1
+
+    with borrowed_cores(worker.vllm_config):  # the reload and the scrub: one scope
+        try:
+            with layer_processing(process_and_count):
+                reload(worker, weights_path=read_from)
+        except Exception as exc:
+            # vLLM pointed the config at the new path first; it still serves the old one.
+            model_config.model, model_config.model_weights, model_config.revision = source
+            abandon_reload(model)
+            why = str(exc).replace(read_from, path)
+            raise RuntimeError(
+                f"reloading weights from {path!r} {RELOAD_PART_WAY} ({why}): {finished}"
+                " layers took new weights and the others have their old ones"
+                if finished
+                else f"reloading weights from {path!r} failed ({why}); the weights are unchanged"
+            ) from exc
+        model_config.model = path  # not the links, gone after this
+        scrub_kv_cache(worker)  # KV that the old weights wrote must not reach the new ones
+    return {"layers_updated": finished, "layers": len(plan.layer_elements) if plan else 0}
+
+
+def _check_reload(
+    model: Any, model_config: Any, load_config: Any, read_from: str, path: str
+) -> None:
     """Refuse, before any weight moves, a checkpoint vLLM's reload would die on: ``path`` is
     not a folder, holds no weight files, or (safetensors) has an unreadable header, a file
     its index names is missing, or a tensor the model has no place for or of another shape.
     The tensors are checked by a dry run of the model's own ``load_weights`` on meta tensors
-    of the headers' shapes (nothing is read but headers; no layer is processed)."""
-    if not os.path.isdir(path):
+    of the headers' shapes (nothing is read but headers; no layer is processed). Read from
+    ``read_from`` (``path``, or links to its checked files); messages name ``path``."""
+    if not os.path.isdir(read_from):
         raise ValueError(f"{path!r} is not a folder on the engine's machine")
-    shapes = checkpoint_shapes(path, load_config)
+    try:
+        shapes = checkpoint_shapes(read_from, load_config)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(read_from, path)) from None
     if shapes is None:
         return  # other loaders read other files (no headers to check); failures are undone
     try:
@@ -473,11 +506,7 @@ def _copy_adapter(folder: str, lora_id: int) -> str:
         _adapter_copies_root = tempfile.mkdtemp(prefix=f"{_COPIES_PREFIX}{os.getpid()}-")
         atexit.register(shutil.rmtree, _adapter_copies_root, True)
     copy = os.path.join(_adapter_copies_root, str(lora_id))
-    try:
-        shutil.copytree(folder, copy)
-    except OSError:
-        shutil.rmtree(copy, ignore_errors=True)
-        raise
+    copy_regular_tree(folder, copy)  # a pipe or device there: ValueError, nothing read
     return copy
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
 import pytest
 
@@ -289,6 +290,17 @@ def write_bad_checkpoints(root) -> dict[str, tuple[str, str]]:
         json.dumps({"weight_map": weight_map})
     )
     cases["index"] = (str(root / "index"), "referenced in index but missing")
+    # A named pipe blocked vLLM's read, and every engine step with it, for good.
+    (root / "pipe").mkdir()
+    save_file(tensors, root / "pipe" / "model-00001-of-00002.safetensors")
+    os.mkfifo(root / "pipe" / "model-00002-of-00002.safetensors")
+    cases["pipe"] = (
+        str(root / "pipe"),
+        f"{str(root / 'pipe' / 'model-00002-of-00002.safetensors')!r} is a named pipe",
+    )
+    (root / "device").mkdir()
+    (root / "device" / "model.safetensors").symlink_to("/dev/zero")
+    cases["device"] = (str(root / "device"), "model.safetensors' is a character device")
     return cases
 
 
@@ -356,9 +368,17 @@ async def test_an_adapter_vllm_cannot_load_is_refused_with_vllm_s_words(client, 
 
     corrupt = make_tiny_lora(tmp_path / "corrupt")
     (corrupt / "adapter_model.safetensors").write_bytes(b"garbage")
+    pipe = make_tiny_lora(tmp_path / "pipe")  # its copy blocked the engine for good
+    (pipe / "adapter_model.safetensors").unlink()
+    os.mkfifo(pipe / "adapter_model.safetensors")
+    device = make_tiny_lora(tmp_path / "device")  # /dev/zero: an endless copy
+    (device / "adapter_model.safetensors").unlink()
+    (device / "adapter_model.safetensors").symlink_to("/dev/null")
     for path, named in [
         (str(tmp_path / "missing"), "No adapter found for"),
         (str(corrupt), "Error while deserializing header"),
+        (str(pipe), "adapter_model.safetensors' is a named pipe, not a regular file"),
+        (str(device), "adapter_model.safetensors' is a character device"),
     ]:
         with pytest.raises(RequestFailed) as info:
             await client.load_lora("bad", path)

@@ -1,0 +1,110 @@
+"""Folders a client names (ReloadWeights' checkpoint, LoadLora's adapter), read only where
+their files are regular files. A named pipe there blocked vLLM's read for good, and with it
+every engine step; a link to a device such as /dev/zero made an adapter's copy endless.
+
+Each file is opened here without blocking (``O_NONBLOCK``: a pipe opens at once) and checked
+on its descriptor, so a name swapped for a pipe between a check and a read is caught too;
+what is read afterwards is what was checked (a checkpoint: through links to this process's
+descriptors, ``/proc/self/fd/N``; an adapter: copied from them). Links to regular files are
+followed (a Hugging Face cache folder is made of them). Runs in vLLM's workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+
+__all__ = ["copy_regular_tree", "regular_files_linked"]
+
+_KINDS = {
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _open_checked(name: str, dir_fd: int, shown: str) -> tuple[int, os.stat_result]:
+    """``name`` in ``dir_fd`` opened for reading, without blocking, following links; a
+    descriptor of a regular file or a folder, else ValueError naming ``shown``."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:  # a socket (ENXIO), a dangling link, no permission
+        raise ValueError(f"{shown!r} cannot be read: {exc.strerror}") from None
+    found = os.fstat(fd)
+    if not (stat.S_ISREG(found.st_mode) or stat.S_ISDIR(found.st_mode)):
+        os.close(fd)
+        raise ValueError(f"{shown!r} is {_kind(found.st_mode)}, not a regular file")
+    return fd, found
+
+
+@contextlib.contextmanager
+def regular_files_linked(folder: str) -> Iterator[str]:
+    """Within: a private folder of links, one per regular file at the top of ``folder`` (by
+    its name there) to this process's descriptor of it. Raises ValueError naming the first
+    entry that is neither a regular file nor a folder (folders are left out: vLLM reads a
+    checkpoint's top level only)."""
+    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    opened: list[int] = []
+    linked = tempfile.mkdtemp(prefix="engine-gateway-checkpoint-")
+    try:
+        for name in sorted(os.listdir(dir_fd)):
+            fd, found = _open_checked(name, dir_fd, os.path.join(folder, name))
+            opened.append(fd)
+            if stat.S_ISREG(found.st_mode):
+                os.symlink(f"/proc/self/fd/{fd}", os.path.join(linked, name))
+        yield linked
+    finally:
+        shutil.rmtree(linked, ignore_errors=True)
+        for fd in opened:
+            os.close(fd)
+        os.close(dir_fd)
+
+
+def copy_regular_tree(source: str, destination: str) -> None:
+    """Copy the folder ``source`` to ``destination`` (made here), each file read from the
+    descriptor it was checked on, up to its size then. Raises ValueError naming the first
+    entry that is neither a regular file nor a folder, or a folder linked into itself
+    (nothing is left at ``destination``); OSError for a failed read or write."""
+    dir_fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _copy_folder(dir_fd, source, destination, set())
+    except BaseException:
+        shutil.rmtree(destination, ignore_errors=True)
+        raise
+
+
+def _copy_folder(dir_fd: int, shown: str, destination: str, above: set[tuple[int, int]]) -> None:
+    """Copy the open folder ``dir_fd`` (closed here); ``above``: the folders it is in."""
+    try:
+        here = os.fstat(dir_fd)
+        if (here.st_dev, here.st_ino) in above:
+            raise ValueError(f"{shown!r} links to a folder it is in")
+        os.mkdir(destination, 0o700)
+        for name in sorted(os.listdir(dir_fd)):
+            fd, found = _open_checked(name, dir_fd, os.path.join(shown, name))
+            target = os.path.join(destination, name)
+            if stat.S_ISDIR(found.st_mode):
+                inner = above | {(here.st_dev, here.st_ino)}
+                _copy_folder(fd, os.path.join(shown, name), target, inner)  # closes fd
+                continue
+            try:
+                with open(target, "xb") as out:
+                    left = found.st_size
+                    while left > 0:
+                        sent = os.sendfile(out.fileno(), fd, None, min(left, 1 << 30))
+                        if sent == 0:  # the file shrank since: what is left of it
+                            break
+                        left -= sent
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dir_fd)

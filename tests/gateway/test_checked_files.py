@@ -1,0 +1,73 @@
+"""Folders a client names are read only where their files are regular files, from the
+descriptor each was checked on: a named pipe or a device is refused by name without
+blocking, and a name swapped afterwards changes nothing that is read."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gateway.vllm.checked_files import copy_regular_tree, regular_files_linked
+
+pytestmark = pytest.mark.timeout(20)  # a pipe opened without O_NONBLOCK would block for good
+
+
+def _checkpoint(folder):
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    (folder / "blob").write_bytes(b"linked")
+    (folder / "config.json").symlink_to(folder / "blob")  # a Hugging Face cache's links
+    (folder / "sub").mkdir()
+    return folder
+
+
+def test_a_checkpoint_is_read_through_links_to_the_files_checked(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt")
+    with regular_files_linked(str(folder)) as linked:
+        assert sorted(os.listdir(linked)) == ["blob", "config.json", "model.safetensors"]
+        # Swapped for a pipe after the check: what is read is still the file checked.
+        os.remove(folder / "model.safetensors")
+        os.mkfifo(folder / "model.safetensors")
+        with open(os.path.join(linked, "model.safetensors"), "rb") as f:
+            assert f.read() == b"weights"
+        assert (tmp_path / "ckpt" / "blob").read_bytes() == b"linked"
+        assert os.readlink(os.path.join(linked, "config.json")).startswith("/proc/self/fd/")
+    assert not os.path.exists(linked)
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda path: os.mkfifo(path), "is a named pipe, not a regular file"),
+        (lambda path: os.symlink("/dev/zero", path), "is a character device"),
+        (lambda path: os.symlink("/no/such/file", path), "cannot be read"),
+    ],
+    ids=["pipe", "device", "dangling"],
+)
+def test_a_pipe_a_device_or_a_dangling_link_is_refused_by_name(tmp_path, make, named):
+    folder = _checkpoint(tmp_path / "ckpt")
+    make(str(folder / "model-2.safetensors"))
+    with pytest.raises(ValueError, match=named) as refused, regular_files_linked(str(folder)):
+        pass
+    assert "model-2.safetensors" in str(refused.value)
+    adapter = tmp_path / "adapter"
+    with pytest.raises(ValueError, match=named):
+        copy_regular_tree(str(folder), str(adapter))
+    assert not adapter.exists()
+
+
+def test_an_adapter_folder_is_copied_whole_and_a_link_loop_is_refused(tmp_path):
+    folder = _checkpoint(tmp_path / "adapter")
+    (folder / "sub" / "inner.bin").write_bytes(b"inner")
+    copy = tmp_path / "copy"
+    copy_regular_tree(str(folder), str(copy))
+    assert (copy / "model.safetensors").read_bytes() == b"weights"
+    assert (copy / "config.json").read_bytes() == b"linked" and not (
+        copy / "config.json"
+    ).is_symlink()
+    assert (copy / "sub" / "inner.bin").read_bytes() == b"inner"
+    (folder / "sub" / "loop").symlink_to(folder)
+    with pytest.raises(ValueError, match="links to a folder it is in"):
+        copy_regular_tree(str(folder), str(tmp_path / "again"))
+    assert not (tmp_path / "again").exists()
