@@ -50,8 +50,11 @@ def _open_checked(name: str, dir_fd: int, shown: str) -> tuple[int, os.stat_resu
 def regular_files_linked(folder: str) -> Iterator[str]:
     """Within: a private folder of links, one per regular file at the top of ``folder`` (by
     its name there) to this process's descriptor of it. Raises ValueError naming the first
-    entry that is neither a regular file nor a folder (folders are left out: vLLM reads a
-    checkpoint's top level only)."""
+    entry that is neither a regular file nor a folder. Left out: folders (vLLM reads a
+    checkpoint's top level only) and empty files, which hold no weights; a kernel's
+    pseudo-file (``/proc/kmsg``, a trace pipe) is a regular file of size 0 whose read may
+    block for good. An adapter's copy reads each file up to its size, so none of those
+    blocks it either."""
     dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     opened: list[int] = []
     linked = tempfile.mkdtemp(prefix="engine-gateway-checkpoint-")
@@ -59,7 +62,7 @@ def regular_files_linked(folder: str) -> Iterator[str]:
         for name in sorted(os.listdir(dir_fd)):
             fd, found = _open_checked(name, dir_fd, os.path.join(folder, name))
             opened.append(fd)
-            if stat.S_ISREG(found.st_mode):
+            if stat.S_ISREG(found.st_mode) and found.st_size > 0:
                 os.symlink(f"/proc/self/fd/{fd}", os.path.join(linked, name))
         yield linked
     finally:

@@ -19,12 +19,14 @@ def _checkpoint(folder):
     (folder / "blob").write_bytes(b"linked")
     (folder / "config.json").symlink_to(folder / "blob")  # a Hugging Face cache's links
     (folder / "sub").mkdir()
+    (folder / "empty.safetensors").symlink_to("/proc/self/stat")  # says size 0
     return folder
 
 
 def test_a_checkpoint_is_read_through_links_to_the_files_checked(tmp_path):
     folder = _checkpoint(tmp_path / "ckpt")
     with regular_files_linked(str(folder)) as linked:
+        # Not the empty file: a pseudo-file such as /proc/kmsg says size 0, and blocks reads.
         assert sorted(os.listdir(linked)) == ["blob", "config.json", "model.safetensors"]
         # Swapped for a pipe after the check: what is read is still the file checked.
         os.remove(folder / "model.safetensors")
@@ -67,6 +69,7 @@ def test_an_adapter_folder_is_copied_whole_and_a_link_loop_is_refused(tmp_path):
         copy / "config.json"
     ).is_symlink()
     assert (copy / "sub" / "inner.bin").read_bytes() == b"inner"
+    assert (copy / "empty.safetensors").read_bytes() == b""  # read up to its size: nothing
     (folder / "sub" / "loop").symlink_to(folder)
     with pytest.raises(ValueError, match="links to a folder it is in"):
         copy_regular_tree(str(folder), str(tmp_path / "again"))
