@@ -61,9 +61,11 @@ def regular_files_linked(folder: str) -> Iterator[str]:
     try:
         for name in sorted(os.listdir(dir_fd)):
             fd, found = _open_checked(name, dir_fd, os.path.join(folder, name))
+            if not (stat.S_ISREG(found.st_mode) and found.st_size > 0):
+                os.close(fd)
+                continue
             opened.append(fd)
-            if stat.S_ISREG(found.st_mode) and found.st_size > 0:
-                os.symlink(f"/proc/self/fd/{fd}", os.path.join(linked, name))
+            os.symlink(f"/proc/self/fd/{fd}", os.path.join(linked, name))
         yield linked
     finally:
         shutil.rmtree(linked, ignore_errors=True)
