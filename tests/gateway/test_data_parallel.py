@@ -150,8 +150,11 @@ async def test_an_abort_reaches_the_engine_that_runs_the_request(client):
 async def test_a_killed_client_frees_both_engines(client, dp_gateway):
     address = dp_gateway.addresses[0]
     identity = f"doomed-dp-{os.getpid()}"
+    # Heartbeats each 1 s (expiry after 3 s): with two busy engines on two cores the client
+    # process was once starved past 0.6 s and expired before its load was seen.
+    script = CLIENT_SCRIPT.format(max_tokens=LONG.max_tokens, heartbeat=1.0)
     proc = subprocess.Popen(
-        [sys.executable, "-c", CLIENT_SCRIPT.format(max_tokens=LONG.max_tokens), address, identity],
+        [sys.executable, "-c", script, address, identity],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -163,7 +166,7 @@ async def test_a_killed_client_frees_both_engines(client, dp_gateway):
         await wait_load(client, lambda e: sum(running(e)) == 3 and min(running(e)) >= 1)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        await wait_client_gone(dp_gateway.table, identity.encode(), timeout=5.0)
+        await wait_client_gone(dp_gateway.table, identity.encode(), timeout=10.0)
         await wait_load(client, lambda e: running(e) == [0, 0], timeout=10)
     finally:
         if proc.poll() is None:

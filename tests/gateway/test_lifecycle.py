@@ -191,7 +191,7 @@ CLIENT_SCRIPT = textwrap.dedent("""
     from client import AsyncClient, SamplingParams
 
     async def main(address, identity):
-        async with AsyncClient(address, name="doomed", heartbeat_interval_s=0.2,
+        async with AsyncClient(address, name="doomed", heartbeat_interval_s={heartbeat},
                                identity=identity.encode()) as c:
             sampling = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
             streams = [c.generate([i + 3, 4], sampling) for i in range(3)]
@@ -208,7 +208,7 @@ async def test_a_killed_client_has_its_requests_aborted_within_the_heartbeat_tim
     real_gateway, vllm_engine
 ):
     address = real_gateway.addresses[0]
-    script = CLIENT_SCRIPT.format(max_tokens=TEST_MAX_MODEL_LEN - 8)
+    script = CLIENT_SCRIPT.format(max_tokens=TEST_MAX_MODEL_LEN - 8, heartbeat=0.2)
     identity = f"doomed-{os.getpid()}"
     proc = subprocess.Popen(
         [sys.executable, "-c", script, address, identity],
