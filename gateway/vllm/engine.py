@@ -171,8 +171,9 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         from vllm.v1.executor import Executor
 
         if vllm_config is None:
-            vllm_config = engine_config(engine_args)
-        check_transfer_backend(vllm_config)  # a config made elsewhere too
+            vllm_config = engine_config(engine_args)  # checks the backend itself
+        else:
+            check_transfer_backend(vllm_config)  # a config made elsewhere
         set_engine_environment(vllm_config)
         shared = dict(client_config or {})
         count, index = shared.pop("client_count", 1), shared.pop("client_index", 0)

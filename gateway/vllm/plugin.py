@@ -19,7 +19,7 @@ import re
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from client.vllm_wheel import vision_encoders_without_pixtral
@@ -329,9 +329,13 @@ def _reload_weights_safely() -> None:
         model = self.model_runner.get_model()
         model_config = self.vllm_config.model_config
         path = model_config.model if weights_path is None else weights_path
-        with contextlib.ExitStack() as opened:
-            # A client's folder is read through links to the regular files checked here.
-            read_from = path if weights_path is None else opened.enter_context(_linked(path))
+        if not os.path.isdir(path):
+            raise ValueError(f"{path!r} is not a folder on the engine's machine")
+        # A client's folder is read through links to the regular files checked here.
+        checked = (
+            contextlib.nullcontext(path) if weights_path is None else regular_files_linked(path)
+        )
+        with checked as read_from:
             with set_current_vllm_config(self.vllm_config):
                 plan = update_plan(model, self.vllm_config)  # the served checkpoint's, cached
                 _check_reload(model, model_config, self.vllm_config.load_config, read_from, path)
@@ -339,16 +343,6 @@ def _reload_weights_safely() -> None:
 
     Worker.reload_weights = reload_weights
     Worker._engine_gateway_plugin = True
-
-
-@contextlib.contextmanager
-def _linked(path: str) -> Iterator[str]:
-    """``regular_files_linked(path)``, refusing (ValueError naming ``path``) what is not a
-    folder."""
-    if not os.path.isdir(path):
-        raise ValueError(f"{path!r} is not a folder on the engine's machine")
-    with regular_files_linked(path) as linked:
-        yield linked
 
 
 def _reload_checked(
@@ -388,14 +382,12 @@ def _reload_checked(
 def _check_reload(
     model: Any, model_config: Any, load_config: Any, read_from: str, path: str
 ) -> None:
-    """Refuse, before any weight moves, a checkpoint vLLM's reload would die on: ``path`` is
-    not a folder, holds no weight files, or (safetensors) has an unreadable header, a file
-    its index names is missing, or a tensor the model has no place for or of another shape.
+    """Refuse, before any weight moves, a checkpoint vLLM's reload would die on: the folder
+    ``path`` holds no weight files, or (safetensors) has an unreadable header, a file its
+    index names is missing, or a tensor the model has no place for or of another shape.
     The tensors are checked by a dry run of the model's own ``load_weights`` on meta tensors
     of the headers' shapes (nothing is read but headers; no layer is processed). Read from
     ``read_from`` (``path``, or links to its checked files); messages name ``path``."""
-    if not os.path.isdir(read_from):
-        raise ValueError(f"{path!r} is not a folder on the engine's machine")
     try:
         shapes = checkpoint_shapes(read_from, load_config)
     except ValueError as exc:
