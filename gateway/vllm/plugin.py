@@ -443,8 +443,9 @@ def _load_adapters_from_a_private_copy() -> None:
 
 def _adapter_source(copies: dict[int, str], lora_id: int, path: str) -> str:
     """Where to load adapter ``lora_id`` from: its private copy in ``copies``, made now from
-    ``path`` on its first load; ``path`` itself when that is no local folder (a hub id) or
-    the copy cannot be made (a full disk: vLLM's way, logged)."""
+    ``path`` on its first load; ``path`` itself when that is no local folder (a hub id).
+    A copy that cannot be made (too big for ``$TMPDIR``, a failed write) refuses the load:
+    vLLM reading the client's folder itself is what the copy is there to prevent."""
     if lora_id not in copies:
         folder = os.path.expanduser(path)
         if not os.path.isdir(folder):  # vLLM resolves it (a hub id) or reports it missing
@@ -452,8 +453,11 @@ def _adapter_source(copies: dict[int, str], lora_id: int, path: str) -> str:
         try:
             copies[lora_id] = _copy_adapter(folder, lora_id)
         except OSError as exc:
-            logger.warning("LoRA adapter %s not copied (%s): read from there", folder, exc)
-            return path
+            logger.warning("LoRA adapter %s not copied: %s", folder, exc)
+            raise RuntimeError(
+                f"{path!r} could not be copied for loading ({exc.strerror or exc}); "
+                "nothing was loaded"
+            ) from None
     return copies[lora_id]
 
 
@@ -498,7 +502,7 @@ def _copy_adapter(folder: str, lora_id: int) -> str:
         _adapter_copies_root = tempfile.mkdtemp(prefix=f"{_COPIES_PREFIX}{os.getpid()}-")
         atexit.register(shutil.rmtree, _adapter_copies_root, True)
     copy = os.path.join(_adapter_copies_root, str(lora_id))
-    copy_regular_tree(folder, copy)  # a pipe or device there: ValueError, nothing read
+    copy_regular_tree(folder, copy)  # a pipe, a device, too big: ValueError, nothing read
     return copy
 
 

@@ -4,6 +4,7 @@ blocking, and a name swapped afterwards changes nothing that is read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -74,3 +75,47 @@ def test_an_adapter_folder_is_copied_whole_and_a_link_loop_is_refused(tmp_path):
     with pytest.raises(ValueError, match="links to a folder it is in"):
         copy_regular_tree(str(folder), str(tmp_path / "again"))
     assert not (tmp_path / "again").exists()
+
+
+@contextlib.contextmanager
+def writes_capped():
+    """Within: files this process writes stop at 64 MiB (EFBIG, not a signal), so a copy
+    that should have been refused fails fast instead of filling the disk."""
+    import resource
+    import signal
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("beyond", ["the disk", "the spare room"])
+def test_an_adapter_too_big_for_the_copies_filesystem_is_refused_before_a_write(tmp_path, beyond):
+    from gateway.vllm.checked_files import spare_bytes
+
+    found = os.statvfs(tmp_path)
+    free, size = found.f_bavail * found.f_frsize, found.f_blocks * found.f_frsize
+    folder = _checkpoint(tmp_path / "adapter")
+    # Sparse: says its size, holds nothing (a link to a huge file does the same).
+    big = size + (1 << 30) if beyond == "the disk" else free - spare_bytes(size) // 2
+    os.truncate(folder / "model.safetensors", big)
+    copy = tmp_path / "copy"
+    with writes_capped(), pytest.raises(ValueError, match="bytes of files: more than") as refused:
+        copy_regular_tree(str(folder), str(copy))
+    assert str(folder) in str(refused.value) and "kept free" in str(refused.value)
+    assert not copy.exists()
+    os.truncate(folder / "model.safetensors", 1 << 20)
+    copy_regular_tree(str(folder), str(copy))
+    assert (copy / "model.safetensors").stat().st_size == 1 << 20
+
+
+def test_the_spare_room_is_five_percent_of_a_filesystem_at_most_one_gib():
+    from gateway.vllm.checked_files import spare_bytes
+
+    assert spare_bytes(10 << 30) == (10 << 30) // 20
+    assert spare_bytes(100 << 30) == 1 << 30

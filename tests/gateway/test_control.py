@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 
 import pytest
 
@@ -374,11 +375,16 @@ async def test_an_adapter_vllm_cannot_load_is_refused_with_vllm_s_words(client, 
     device = make_tiny_lora(tmp_path / "device")  # /dev/zero: an endless copy
     (device / "adapter_model.safetensors").unlink()
     (device / "adapter_model.safetensors").symlink_to("/dev/null")
+    huge = make_tiny_lora(tmp_path / "huge")  # its copy filled the disk engine and host share
+    found = os.statvfs(tempfile.gettempdir())  # where the workers copy adapters
+    os.truncate(huge / "adapter_model.safetensors", found.f_blocks * found.f_frsize + (1 << 30))
+    huge_bytes = sum(f.stat().st_size for f in huge.iterdir())
     for path, named in [
         (str(tmp_path / "missing"), "No adapter found for"),
         (str(corrupt), "Error while deserializing header"),
         (str(pipe), "adapter_model.safetensors' is a named pipe, not a regular file"),
         (str(device), "adapter_model.safetensors' is a character device"),
+        (str(huge), f"{str(huge)!r} holds {huge_bytes:,} bytes of files: more than"),
     ]:
         with pytest.raises(RequestFailed) as info:
             await client.load_lora("bad", path)

@@ -282,7 +282,10 @@ def test_an_adapter_is_loaded_from_a_private_copy_made_at_its_first_load(tmp_pat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(adapter_module, "_copy_adapter", full_disk)
-    assert _adapter_source(copies, 9, str(folder)) == str(folder) and 9 not in copies
+    # Not vLLM reading the client's folder instead: the copy is there to prevent that.
+    with pytest.raises(RuntimeError, match="could not be copied for loading") as refused:
+        _adapter_source(copies, 9, str(folder))
+    assert "No space left on device" in str(refused.value) and 9 not in copies
 
 
 def test_adapter_copies_of_gone_processes_are_removed(tmp_path):
