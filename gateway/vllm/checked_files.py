@@ -82,9 +82,11 @@ def copy_regular_tree(source: str, destination: str) -> None:
     is written. Raises ValueError naming the first entry that is neither a regular file nor
     a folder, or a folder linked into itself, and ValueError where the files would not fit
     on ``destination``'s filesystem with room to spare (``spare_bytes``); OSError for a
-    failed read or write. Nothing is left at ``destination`` when it raises."""
+    failed read or write (FileExistsError: ``destination`` is there already, and is left
+    alone). Nothing this made is left at ``destination`` when it raises."""
     dir_fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     entries: list[tuple[str, int, os.stat_result]] = []
+    made = False
     try:
         _check_folder(dir_fd, source, "", entries, set())
         total = sum(found.st_size for _, _, found in entries if stat.S_ISREG(found.st_mode))
@@ -96,10 +98,12 @@ def copy_regular_tree(source: str, destination: str) -> None:
                 f"({free:,} bytes free, of which {spare:,} are kept free)"
             )
         os.mkdir(destination, 0o700)
+        made = True
         for relative, fd, found in entries:
             _copy_entry(fd, found, os.path.join(destination, relative))
     except BaseException:
-        shutil.rmtree(destination, ignore_errors=True)
+        if made:  # not a folder that was there before
+            shutil.rmtree(destination, ignore_errors=True)
         raise
     finally:
         for _, fd, _ in entries:

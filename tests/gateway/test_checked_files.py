@@ -119,3 +119,13 @@ def test_the_spare_room_is_five_percent_of_a_filesystem_at_most_one_gib():
 
     assert spare_bytes(10 << 30) == (10 << 30) // 20
     assert spare_bytes(100 << 30) == 1 << 30
+
+
+def test_a_copy_onto_a_folder_already_there_leaves_that_folder_alone(tmp_path):
+    folder = _checkpoint(tmp_path / "adapter")
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "kept").write_bytes(b"kept")
+    with pytest.raises(FileExistsError):
+        copy_regular_tree(str(folder), str(there))
+    assert (there / "kept").read_bytes() == b"kept"
