@@ -66,7 +66,9 @@ def item_problem(model: ModelInfo, prompt: Sequence[int], item: MultimodalItem) 
         problem = _count_problem(name, values.get(name), spec)
         if problem:
             return problem
-        problem = _zero_row_problem(name, tensors[name], spec)
+        problem = _zero_row_problem(name, tensors[name], spec) or _value_problem(
+            name, tensors[name], spec
+        )
         if problem:
             return problem
     return _embedding_problem(schema, prompt, item, values)
@@ -91,6 +93,31 @@ def _zero_row_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | No
         if not any(data[row * row_bytes : (row + 1) * row_bytes]):
             return f"tensors[{name!r}][{row}] is all zeros; the model drops such rows"
     return None
+
+
+_FLOAT_FORMATS = {"float64": "d", "float32": "f", "float16": "e"}
+
+
+def _value_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | None:
+    """A floating value that is NaN, an infinity or outside the schema's ``value_range``
+    (compared as sent, before the gateway's cast to the model's dtype, as it compares)."""
+    if spec.value_range is None or tensor.dtype not in FLOATING_DTYPES or not tensor.data:
+        return None
+    values = _floats(tensor)
+    low, high = spec.value_range
+    total = sum(values)  # NaN or an infinity when any value is one
+    if math.isfinite(total) and low <= min(values) and max(values) <= high:
+        return None
+    return f"tensors[{name!r}] holds NaN, an infinity or a value outside [{low}, {high}]"
+
+
+def _floats(tensor: Tensor) -> tuple[float, ...]:
+    data, fmt = bytes(tensor.data), _FLOAT_FORMATS.get(tensor.dtype, "f")
+    if tensor.dtype == "bfloat16":  # the upper half of a float32, little-endian
+        wide = bytearray(2 * len(data))
+        wide[2::4], wide[3::4] = data[0::2], data[1::2]
+        data = bytes(wide)
+    return struct.unpack(f"<{len(data) // struct.calcsize(fmt)}{fmt}", data)
 
 
 def _dtype_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | None:

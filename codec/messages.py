@@ -532,13 +532,17 @@ class TensorSchema(msgspec.Struct, frozen=True, gc=False):
     order) a value every item has or nil, and ``multiple_of``, per element a divisor
     (1: any). ``nonzero_rows``: each row (index along dim 0, e.g. an image tile) must hold a
     value other than zero once cast to the model's dtype (the model drops all-zero rows as
-    padding its processor never makes)."""
+    padding its processor never makes). ``value_range``: floating tensors, ``[low, high]``
+    (whole numbers): every value must be finite and within it (NaN, infinities and values
+    far outside what the processor makes turn the model's activations into NaN, which
+    outlive the request in the KV cache)."""
 
     dtype: str
     dims: list[int | str]
     values: list[int | None] | None = None
     multiple_of: list[int] | None = None
     nonzero_rows: bool = False
+    value_range: list[float] | None = None
 
 
 class EmbeddingRule(msgspec.Struct, frozen=True, gc=False):

@@ -3,7 +3,8 @@ each client item checked against it and built into vLLM's ``MultiModalKwargsItem
 
 Owns: the probe of vLLM's own multimodal processor on images of several sizes (tensor names,
 dtypes, ranks, the dims that never change, which counts the others follow, the tokens a
-placeholder embeds at, and how many embeddings an item fills); the checks of a client's
+placeholder embeds at, how many embeddings an item fills, and the range floating values lie
+in); the checks of a client's
 processed item against that (anything else would fail inside the engine, for every
 client); and the ``mm_input`` vLLM's InputProcessor takes. The processor itself never runs
 on a request. Imports vLLM and torch; only this package does.
@@ -48,16 +49,22 @@ class _KeySpec:
     multiple_of: dict[int, int] = field(default_factory=dict)  # element -> divisor
     elements: int | None = None  # a count tensor's elements (the same in every probe)
     nonzero_rows: bool = False  # the model drops an all-zero row (tile) as padding
+    value_range: tuple[int, int] | None = None  # a floating tensor's values (_value_range)
 
     def wire(self) -> TensorSchema:
         dims: list[int | str] = [
             self.fixed[d] if d in self.fixed else self.follows[d] for d in range(self.ndim)
         ]
+        value_range = None if self.value_range is None else list(self.value_range)
         if self.elements is None:
-            return TensorSchema(self.dtype, dims, nonzero_rows=self.nonzero_rows)
+            return TensorSchema(
+                self.dtype, dims, nonzero_rows=self.nonzero_rows, value_range=value_range
+            )
         values = [self.pinned.get(i) for i in range(self.elements)]
         multiples = [self.multiple_of.get(i, 1) for i in range(self.elements)]
-        return TensorSchema(self.dtype, dims, values, multiples, self.nonzero_rows)
+        return TensorSchema(
+            self.dtype, dims, values, multiples, self.nonzero_rows, value_range=value_range
+        )
 
 
 @dataclass(slots=True)
@@ -148,6 +155,45 @@ def _check_rows(where: str, schema: ModalitySchema, tensors: dict) -> None:
             )
 
 
+def _check_values(where: str, name: str, tensor: Any, bounds: tuple[int, int]) -> None:
+    """Refuse a floating tensor holding NaN, an infinity or a value outside ``bounds``: the
+    model's activations turn NaN, and they stay in KV-cache blocks that later serve other
+    requests (on the CPU engine, one such image turned other clients' greedy tokens into
+    zeros, request after request)."""
+    if tensor.numel() == 0:
+        return
+    smallest, largest = (float(v) for v in tensor.aminmax())  # NaN if any is NaN
+    low, high = bounds
+    if low <= smallest and largest <= high:
+        return
+    held = (
+        "NaN"
+        if math.isnan(smallest) or math.isnan(largest)
+        else f"values from {smallest:g} to {largest:g}"
+    )
+    raise RequestRejected(
+        f"{where}: tensors[{name!r}] holds {held}; the model takes finite values within"
+        f" [{low}, {high}] (value_range: its processor's, with a margin)"
+    )
+
+
+def _value_range(datas: Sequence[Any]) -> tuple[int, int] | None:
+    """Whole-number bounds for a floating tensor's values: those the probes hold (black and
+    white images among them: the ends of the processor's normalisation), widened on each
+    side by their span (at least 1). Any image the processor makes lies well inside; NaN,
+    infinities and values thousands of times larger, which overflow inside the model, do
+    not. None where the probes hold no values, or ones that are not finite."""
+    values = [d for d in datas if d.numel()]
+    if not values:
+        return None
+    low = min(float(d.min()) for d in values)
+    high = max(float(d.max()) for d in values)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    margin = max(high - low, abs(low), abs(high), 1.0)
+    return math.floor(low - margin), math.ceil(high + margin)
+
+
 def _probe_sizes(width: int, height: int) -> list[tuple[int, int]]:
     """Image sizes for the probe: the processor's largest dummy image, and smaller and
     differently shaped ones (ratios 1/3 to 1/7, so that no property of a count the sizes
@@ -171,8 +217,8 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
     data = processor.dummy_inputs.get_dummy_mm_data(seq_len, {"image": 1}, options)
     image = data["image"]
 
-    def probe(w: int, h: int) -> tuple[Any, Any, list[int]]:
-        picture = Image.new("RGB", (w, h), color=(37 * w % 256, 91, 200))
+    def probe(w: int, h: int, color: tuple[int, int, int] | None = None) -> tuple:
+        picture = Image.new("RGB", (w, h), color=color or (37 * w % 256, 91, 200))
         inputs = ProcessorInputs(
             prompt=list(dummy.prompt),
             mm_data_items=processor.info.parse_mm_data({"image": [picture]}),
@@ -184,7 +230,12 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
             out["prompt_token_ids"],
         )  # fmt: skip
 
-    return _each_size(_probe_sizes(*(image[0] if isinstance(image, list) else image).size), probe)
+    sizes = _probe_sizes(*(image[0] if isinstance(image, list) else image).size)
+    # Black and white at the processor's own size: the ends of its pixel values' range.
+    return _each_size(sizes, probe) + [probe(*sizes[0], color) for color in _EXTREME_COLORS]
+
+
+_EXTREME_COLORS = ((0, 0, 0), (255, 255, 255))
 
 
 def _each_size(sizes: Sequence[tuple[int, int]], probe: Any) -> list:
@@ -231,6 +282,8 @@ def schema_from_probes(
         if any(str(d.dtype).removeprefix("torch.") != dtype or d.dim() != ndim for d in datas):
             raise ValueError(f"{name!r} changes dtype or rank with the image size")
         spec = _KeySpec(dtype, ndim, items[0][name].field)
+        if dtype in FLOATING_DTYPES:
+            spec.value_range = _value_range(datas)
         for dim in range(ndim):
             sizes = [d.shape[dim] for d in datas]
             if len(set(sizes)) == 1:
@@ -467,6 +520,8 @@ class MultimodalInputs:
                     tensor = torch.frombuffer(wire.data, dtype=getattr(torch, wire.dtype))
                 tensor = tensor.reshape(wire.shape) if wire.shape else tensor.reshape(())
             if floating:
+                if spec.value_range is not None:
+                    _check_values(where, name, tensor, spec.value_range)
                 tensor = tensor.to(self.model_dtype)  # as vLLM casts the processor's outputs
             elif wire.dtype != spec.dtype:
                 # A compact integer form (a 0/1 mask as uint8 or bool): widened, if lossless.

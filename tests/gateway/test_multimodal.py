@@ -116,6 +116,8 @@ async def test_images_match_offline_vllm(vlm_gateway, processor, offline):
         # ... and what HelloAck tells clients of it.
         said = model.multimodal["image"]
         assert said.tensors["pixel_values"].dims == ["num_patches", 3, 56, 56]
+        # Idefics3's normalisation makes [-1, 1] (learnt from black and white probes).
+        assert said.tensors["pixel_values"].value_range == [-3, 3]
         assert said.tensors["num_patches"] == TensorSchema("int64", [], [None], [1])
         assert (said.embeddings, said.placeholder_tokens) == (
             EmbeddingRule("num_patches", 4),
@@ -189,6 +191,15 @@ async def test_a_hash_only_item_never_sent_is_named(vlm_gateway, processor):
     assert "multimodal[0] (hash 'never-sent')" in reply.message
 
 
+def _with_value(tensor: Tensor, value: float) -> Tensor:
+    """``tensor`` with its first element set to ``value`` (in its own dtype)."""
+    import torch
+
+    values = torch.frombuffer(bytearray(tensor.data), dtype=getattr(torch, tensor.dtype))
+    values[0] = value
+    return msgspec.structs.replace(tensor, data=values.view(torch.uint8).numpy().tobytes())
+
+
 def _bad_items(prompt: list[int], item: MultimodalItem):
     """(name, prompt, items, expected code, words the message must hold)."""
     t = item.tensors
@@ -251,6 +262,17 @@ def _bad_items(prompt: list[int], item: MultimodalItem):
         ("negative zero tile", prompt,
          [rep(item, tensors={**t, "pixel_values": minus_zero_tile})], invalid,
          ["pixel_values'][1]", "all zeros"]),
+        # NaN, or a value that overflows inside the model, would poison the KV-cache blocks
+        # later requests of every client reuse.
+        ("NaN pixel", prompt,
+         [rep(item, tensors={**t, "pixel_values": _with_value(pv, float("nan"))})], invalid,
+         ["pixel_values", "holds NaN", "[-3, 3]"]),
+        ("infinite pixel", prompt,
+         [rep(item, tensors={**t, "pixel_values": _with_value(pv, float("-inf"))})], invalid,
+         ["pixel_values", "values from -inf", "[-3, 3]"]),
+        ("huge pixel", prompt,
+         [rep(item, tensors={**t, "pixel_values": _with_value(pv, 1e30)})], invalid,
+         ["pixel_values", "values from", "[-3, 3]"]),
         ("mask off its placeholders", doubled,
          [rep(item, length=2 * item.length, is_embed=[False] * item.length + item.is_embed)],
          invalid, ["is_embed leaves it out"]),

@@ -87,7 +87,8 @@ def test_the_qwen2_vl_rules_are_learnt(schema):
     assert schema.wire() == ItemSchema(
         {
             "image_grid_thw": TensorSchema("int64", [3], [1, None, None], [1, MERGE, MERGE]),
-            "pixel_values": TensorSchema("float32", ["image_grid_thw", 1176]),
+            # CLIP's normalisation makes [-1.79, 2.15]; widened by its span on each side.
+            "pixel_values": TensorSchema("float32", ["image_grid_thw", 1176], value_range=[-6, 7]),
         },
         [IMAGE_PAD],
         EmbeddingRule("image_grid_thw", 4, divide=True),
@@ -146,6 +147,45 @@ def test_an_item_the_processor_would_not_make_is_refused_by_name(
     assert info.value.message.startswith("multimodal[0]: ") and named in info.value.message
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (float("nan"), "holds NaN"),
+        (float("inf"), "values from 0 to inf"),
+        (float("-inf"), "values from -inf to 0"),
+        (1e6, "values from 0 to "),  # rounded in bfloat16, inf in float16
+        (7.5, "values from 0 to 7.5"),
+        (-6.5, "values from -6.5 to 0"),
+        (7.0, None),  # the range's ends: accepted
+        (-6.0, None),
+    ],
+)
+def test_a_pixel_the_processor_could_not_make_is_refused_by_the_gateway_and_the_client(
+    schema, dtype, value, named
+):
+    """NaN, infinities and far-out values (which turn the model's activations NaN, and
+    with them the KV-cache blocks later requests reuse) are refused by name; the client's
+    check, from the wire schema alone, says the same."""
+    prompt, item = _qwen2_vl_item((1, 4, 4), 16, 4)
+    pixels = torch.zeros(16, 1176, dtype=getattr(torch, dtype))
+    pixels[3, 100] = value
+    item.tensors["pixel_values"] = to_wire_tensor(pixels)
+    model = ModelInfo("qwen2-vl", 4096, 151936, [151645], multimodal={"image": schema.wire()})
+    predicted = item_problem(model, prompt, item)
+    if named is None:
+        assert predicted is None
+        inputs_for(schema).build(prompt, [item], cache_salt="")
+        return
+    assert predicted == (
+        "tensors['pixel_values'] holds NaN, an infinity or a value outside [-6, 7]"
+    )
+    with pytest.raises(RequestRejected) as info:
+        inputs_for(schema).build(prompt, [item], cache_salt="")
+    assert info.value.message.startswith("multimodal[0]: tensors['pixel_values'] holds ")
+    assert named in info.value.message and "within [-6, 7]" in info.value.message
+
+
 def test_probes_that_follow_no_rule_are_not_served(image_processor):
     from vllm.multimodal.inputs import PlaceholderRange
 
@@ -159,7 +199,10 @@ def test_probes_that_follow_no_rule_are_not_served(image_processor):
         schema_from_probes("image", probes)
 
 
-_MUTATIONS = ["rows", "width", "pads", "pixel_dtype", "grid_dtype", "rank", "token", "sign"]
+_MUTATIONS = [
+    "rows", "width", "pads", "pixel_dtype", "grid_dtype", "rank", "token", "sign", "value"
+]  # fmt: skip
+_OUT_OF_RANGE = [float("nan"), float("inf"), float("-inf"), 1e6, -6.5, 7.5]  # not in [-6, 7]
 
 
 @st.composite
@@ -181,8 +224,12 @@ def fuzzed_items(draw):
     shape = [1, rows, width] if "rank" in wrong else [rows, width]
     pad_token = 5 if "token" in wrong else IMAGE_PAD
     sign = -1 if "sign" in wrong else 1
+    pixels = torch.zeros(shape, dtype=getattr(torch, pixel_dtype))
+    if pixels.numel() and pixels.is_floating_point():  # one value: at the range's ends, or out
+        value = draw(st.sampled_from(_OUT_OF_RANGE if "value" in wrong else [-6.0, 0.5, 7.0]))
+        pixels.view(-1)[draw(st.integers(0, pixels.numel() - 1))] = value
     tensors = {
-        "pixel_values": to_wire_tensor(torch.zeros(shape, dtype=getattr(torch, pixel_dtype))),
+        "pixel_values": to_wire_tensor(pixels),
         "image_grid_thw": to_wire_tensor(
             (sign * torch.tensor(grid)).to(getattr(torch, grid_dtype))
         ),
