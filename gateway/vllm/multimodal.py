@@ -178,11 +178,11 @@ def _check_values(where: str, name: str, tensor: Any, bounds: tuple[int, int]) -
 
 
 def _value_range(datas: Sequence[Any]) -> tuple[int, int] | None:
-    """Whole-number bounds for a floating tensor's values: those the probes hold (black and
-    white images among them: the ends of the processor's normalisation), widened on each
-    side by their span (at least 1). Any image the processor makes lies well inside; NaN,
-    infinities and values thousands of times larger, which overflow inside the model, do
-    not. None where the probes hold no values, or ones that are not finite."""
+    """Whole-number bounds for a floating tensor's values: those the probes hold (black,
+    white and noise images among them: the ends of the processor's normalisation), widened
+    on each side by their span (at least 1). Any image the processor makes lies well
+    inside; NaN, infinities and values thousands of times larger, which overflow inside the
+    model, do not. None where the probes hold no values, or ones that are not finite."""
     values = [d for d in datas if d.numel()]
     if not values:
         return None
@@ -217,8 +217,9 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
     data = processor.dummy_inputs.get_dummy_mm_data(seq_len, {"image": 1}, options)
     image = data["image"]
 
-    def probe(w: int, h: int, color: tuple[int, int, int] | None = None) -> tuple:
-        picture = Image.new("RGB", (w, h), color=color or (37 * w % 256, 91, 200))
+    def probe(w: int, h: int, picture: Any = None) -> tuple[Any, Any, list[int]]:
+        if picture is None:
+            picture = Image.new("RGB", (w, h), color=(37 * w % 256, 91, 200))
         inputs = ProcessorInputs(
             prompt=list(dummy.prompt),
             mm_data_items=processor.info.parse_mm_data({"image": [picture]}),
@@ -231,11 +232,18 @@ def _probe_images(processor: Any) -> list[tuple[Any, Any, list[int]]]:
         )  # fmt: skip
 
     sizes = _probe_sizes(*(image[0] if isinstance(image, list) else image).size)
-    # Black and white at the processor's own size: the ends of its pixel values' range.
-    return _each_size(sizes, probe) + [probe(*sizes[0], color) for color in _EXTREME_COLORS]
+    return _each_size(sizes, probe) + [probe(*sizes[0], p) for p in _range_images(sizes[0])]
 
 
-_EXTREME_COLORS = ((0, 0, 0), (255, 255, 255))
+def _range_images(size: tuple[int, int]) -> list[Any]:
+    """Black, white and noise at the processor's own size: the ends of its pixel values'
+    range, and content a processor that normalises per image spreads out."""
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.RandomState(0).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    black, white = Image.new("RGB", size, (0, 0, 0)), Image.new("RGB", size, (255,) * 3)
+    return [black, white, Image.fromarray(noise)]
 
 
 def _each_size(sizes: Sequence[tuple[int, int]], probe: Any) -> list:
