@@ -157,9 +157,10 @@ def _check_rows(where: str, schema: ModalitySchema, tensors: dict) -> None:
 
 def _check_values(where: str, name: str, tensor: Any, bounds: tuple[int, int]) -> None:
     """Refuse a floating tensor holding NaN, an infinity or a value outside ``bounds``: the
-    model's activations turn NaN, and they stay in KV-cache blocks that later serve other
-    requests (on the CPU engine, one such image turned other clients' greedy tokens into
-    zeros, request after request)."""
+    model's activations turn NaN, and they stay in the request's KV-cache blocks, which
+    vLLM hands to the next requests once it ends (at once where a block has no prefix hash):
+    on the CPU engine, one such image turned other clients' greedy tokens into zeros,
+    request after request."""
     if tensor.numel() == 0:
         return
     smallest, largest = (float(v) for v in tensor.aminmax())  # NaN if any is NaN

@@ -262,8 +262,8 @@ def _bad_items(prompt: list[int], item: MultimodalItem):
         ("negative zero tile", prompt,
          [rep(item, tensors={**t, "pixel_values": minus_zero_tile})], invalid,
          ["pixel_values'][1]", "all zeros"]),
-        # NaN, or a value that overflows inside the model, would poison the KV-cache blocks
-        # later requests of every client reuse.
+        # NaN, or a value that overflows inside the model, would stay in KV-cache blocks
+        # that vLLM hands to other clients' later requests.
         ("NaN pixel", prompt,
          [rep(item, tensors={**t, "pixel_values": _with_value(pv, float("nan"))})], invalid,
          ["pixel_values", "holds NaN", "[-3, 3]"]),

@@ -164,9 +164,9 @@ def test_an_item_the_processor_would_not_make_is_refused_by_name(
 def test_a_pixel_the_processor_could_not_make_is_refused_by_the_gateway_and_the_client(
     schema, dtype, value, named
 ):
-    """NaN, infinities and far-out values (which turn the model's activations NaN, and
-    with them the KV-cache blocks later requests reuse) are refused by name; the client's
-    check, from the wire schema alone, says the same."""
+    """NaN, infinities and far-out values (which turn the model's activations NaN, and with
+    them the KV-cache blocks vLLM hands to later requests) are refused by name; the
+    client's check, from the wire schema alone, says the same."""
     prompt, item = _qwen2_vl_item((1, 4, 4), 16, 4)
     pixels = torch.zeros(16, 1176, dtype=getattr(torch, dtype))
     pixels[3, 100] = value
