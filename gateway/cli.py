@@ -255,13 +255,14 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         default=[],
         metavar="FILE",
         help="with CURVE: a client public key (NAME.key) allowed to call control operations"
-        " (pause, resume, reset the prefix cache, stats); repeatable",
+        " (pause, resume, reset the prefix cache, stats) and to send kv_transfer_params"
+        " (prefill/decode); repeatable",
     )
     control.add_argument(
         "--control-open",
         action="store_true",
-        help="let every client call control operations (trusted loopback or an ipc:// path"
-        " guarded by file permissions only)",
+        help="let every client call control operations and send kv_transfer_params (trusted"
+        " loopback or an ipc:// path guarded by file permissions only)",
     )
     g.add_argument(
         "--weight-update-timeout",

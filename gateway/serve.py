@@ -140,6 +140,12 @@ async def run_gateway(
     except BaseException:
         listener.close(linger=0)
         raise
+    control = _control_policy(args)
+    if vllm_config.kv_transfer_config is not None and not (control.open or control.allowed_keys):
+        logger.warning(
+            "the engine has a KV connector, but no client may send kv_transfer_params: allow"
+            " the prefill/decode coordinator with --control-key (or --control-open)"
+        )
     try:
         gateway = Gateway(
             engine,
@@ -149,7 +155,7 @@ async def run_gateway(
             engine_dead_grace_s=args.engine_dead_grace,
             gateway_version=gateway_version(),
             listener=listener,
-            control=_control_policy(args),
+            control=control,
             weight_update_timeout_s=args.weight_update_timeout,
             cache_isolation=args.cache_isolation,
             # Gateways of one group share the engines: their request ids must not collide.

@@ -198,6 +198,7 @@ class Gateway:
             engine_id_prefix=engine_id_prefix,
             prefix_query=getattr(engine, "prefix_query", None),
             cache_isolation=cache_isolation,
+            kv_transfer_allowed=control.allows,
         )
         self.addresses: list[str] = []
         self.ready = asyncio.Event()

@@ -233,6 +233,14 @@ class _Client:
     multimodal_bytes: int = 0  # of its live requests (_Request.multimodal_bytes)
 
 
+KV_REFUSED = (
+    "kv_transfer_params has the engine's KV connector load or hand out KV-cache blocks (from"
+    " the engine or host the params name), and what it loads serves other clients' requests"
+    " too; this client is not allowed to send it (the operator allows clients with"
+    " --control-key or --control-open)"
+)
+
+
 class SessionTable:
     """All sessions and live requests of one gateway. See the module docstring."""
 
@@ -246,12 +254,16 @@ class SessionTable:
         engine_id_prefix: str = "g",
         prefix_query: PrefixQueryFn | None = None,
         cache_isolation: bool = False,
+        kv_transfer_allowed: Callable[[str | None], bool] = lambda key: False,
     ):
         """``engine_id_prefix``: engine request ids are PREFIX1, PREFIX2, ...; gateways
         sharing one engine group need distinct prefixes (vLLM refuses duplicate ids).
         ``prefix_query``: the engine's answer to PrefixQuery (None: UNSUPPORTED).
-        ``cache_isolation``: each client's prefix cache is its own (``_isolated``)."""
+        ``cache_isolation``: each client's prefix cache is its own (``_isolated``).
+        ``kv_transfer_allowed``: whether a session's CURVE key (None without CURVE) may send
+        ``kv_transfer_params`` (the server's control policy; default: nobody)."""
         self.cache_isolation = cache_isolation
+        self.kv_transfer_allowed = kv_transfer_allowed
         self.info = info
         self._engine_load = engine_load or list
         self._prefix_query = prefix_query
@@ -621,6 +633,10 @@ class SessionTable:
         problem = self._check_gateway_fields(msg)
         if problem is not None:
             return self._refuse(client_id, request_id, ErrorCode.INVALID_REQUEST, problem)
+        options = msg.options
+        kv_transfer = options is not None and options.kv_transfer_params is not None
+        if kv_transfer and not self.kv_transfer_allowed(client.key):
+            return self._refuse(client_id, request_id, ErrorCode.UNAUTHORIZED, KV_REFUSED)
         submitted = msg
         multimodal_bytes = 0
         if msg.multimodal:

@@ -187,9 +187,12 @@ async def pd_gateways(tmp_path_factory):
             },
         )
 
+    from gateway.auth import ControlPolicy
+
+    trusted = ControlPolicy(open=True)  # kv_transfer_params only from allowed clients
     async with (
-        engine_gateway(engine_args("kv_producer")) as prefill,
-        engine_gateway(engine_args("kv_consumer")) as decode,
+        engine_gateway(engine_args("kv_producer"), control=trusted) as prefill,
+        engine_gateway(engine_args("kv_consumer"), control=trusted) as decode,
     ):
         prefill.kv_store = decode.kv_store = store
         yield prefill, decode

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from client import AsyncClient, FinishReason, RequestOptions
+from client import AsyncClient, ErrorCode, FinishReason, RequestFailed, RequestOptions
 from tests.helpers import greedy
 
 pytestmark = pytest.mark.engine
@@ -18,14 +18,19 @@ PROMPT = [(i * 7) % 500 + 5 for i in range(300)]
 
 def recorded(store, kind: str, tag: str) -> dict:
     """The params the connector inside the engine recorded for the request tagged ``tag``."""
+    found = tagged(store, kind, tag)
+    assert len(found) == 1, (kind, tag, found)
+    return found[0]
+
+
+def tagged(store, kind: str, tag: str) -> list[dict]:
     found = []
     for path in (store / "params").glob(f"{kind}-*.json"):
         params = json.loads(path.read_text())
         received = params.get("received", params) if kind == "returned" else params
         if (received or {}).get("tag") == tag:
             found.append(params)
-    assert len(found) == 1, (kind, tag, found)
-    return found[0]
+    return found
 
 
 async def test_prefill_on_one_engine_decode_on_another_equals_one_engine(pd_gateways, real_gateway):
@@ -62,6 +67,28 @@ async def test_prefill_on_one_engine_decode_on_another_equals_one_engine(pd_gate
         # Without the handoff the decode engine computes everything itself.
         cold = await decode.complete([t + 1 for t in PROMPT], greedy(2))
         assert cold.external_cached_tokens == 0
+    # Under the default control policy (no client allowed) the decode gateway refuses the
+    # handoff by name: its params would have the connector load KV-cache blocks the client
+    # names, which later serve other clients. The connector never sees them.
+    from gateway.auth import ControlPolicy
+
+    decode_gw.table.kv_transfer_allowed = ControlPolicy().allows
+    try:
+        async with AsyncClient(decode_gw.addresses[0]) as stranger:
+            foreign = dict(handoff, tag="pd-stranger")
+            with pytest.raises(RequestFailed) as refused:
+                await stranger.complete(
+                    PROMPT, greedy(2), options=RequestOptions(kv_transfer_params=foreign)
+                )
+            assert refused.value.code is ErrorCode.UNAUTHORIZED
+            assert "kv_transfer_params" in refused.value.message
+            assert "--control-key or --control-open" in refused.value.message
+            assert tagged(store, "received", "pd-stranger") == []
+            # The same client without params is served (the engine computes its prompt).
+            plain = await stranger.complete([t + 2 for t in PROMPT], greedy(2))
+            assert plain.external_cached_tokens == 0 and len(plain.token_ids) == 2
+    finally:
+        decode_gw.table.kv_transfer_allowed = decode_gw.control.allows
 
 
 async def test_timings_and_cache_facts_on_the_terminal_output(real_gateway):

@@ -131,6 +131,7 @@ async def test_extreme_values_are_answered_by_name_and_a_bystander_is_intact(rea
     assert answers["n3-seed-near-max"] == "INVALID_REQUEST"
     assert answers["n-i64max"] == "INVALID_REQUEST"
     assert answers["lora-unknown"] == "UNSUPPORTED"
+    assert answers["kv_transfer_params-nan"] == "UNAUTHORIZED"  # no client is allowed here
 
 
 async def test_hypothesis_hostile_generates_against_the_real_engine(real_gateway):

@@ -446,6 +446,30 @@ def test_cache_isolation_gives_each_client_its_own_salt_on_generates_and_queries
     assert queried == [f"id:{A.hex()}/", f"id:{A.hex()}/s"]
 
 
+def test_kv_transfer_params_only_from_keys_the_policy_allows():
+    """They have the engine's KV connector load blocks the client names (which then serve
+    other clients' requests): by default nobody may send them; a CURVE key on the control
+    allow-list may, and the request reaches the engine with them."""
+    from codec import RequestOptions
+    from gateway.auth import ControlPolicy
+
+    h = TableHarness()
+    h.table.kv_transfer_allowed = ControlPolicy(allowed_keys=frozenset({"trusted"})).allows
+    params = RequestOptions(kv_transfer_params={"do_remote_prefill": True})
+    for client_id, key in ((A, None), (B, "stranger"), (b"coordinator", "trusted")):
+        h.apply(h.table.on_message(client_id, Hello(1, "t", 1.0), h.now, key))
+        h.take(client_id)
+        h.apply(h.table.on_message(client_id, Generate("r1", [5], options=params), h.now, key))
+    for refused in (A, B):
+        (err,) = h.take(refused)
+        assert isinstance(err, Error) and err.code is ErrorCode.UNAUTHORIZED
+        assert err.request_id == "r1" and "kv_transfer_params" in err.message
+    assert h.take(b"coordinator") == [] and len(h.submitted) == 1
+    # Without params anyone is served.
+    h.send(A, Generate("r2", [5]))
+    assert len(h.submitted) == 2 and h.take(A) == []
+
+
 def test_engine_death_errors_every_live_request_and_refuses_new_ones():
     h = TableHarness()
     hello(h, A)
