@@ -44,7 +44,9 @@ class CurveConfig:
 
 @dataclass(frozen=True)
 class ControlPolicy:
-    """Who may call control operations (Pause, Resume, ResetPrefixCache, GetStats).
+    """Who may call control operations (Pause, Resume, ResetPrefixCache, GetStats, weights,
+    LoRA) and send ``kv_transfer_params`` on a Generate (the KV blocks a connector loads
+    serve every client).
 
     Default: nobody. ``open``: every client (a trusted loopback or an ipc:// path guarded
     by file permissions). ``allowed_keys``: CURVE clients whose public key (Z85, the
