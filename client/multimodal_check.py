@@ -95,7 +95,8 @@ def _zero_row_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | No
     return None
 
 
-_FLOAT_FORMATS = {"float64": "d", "float32": "f", "float16": "e"}
+# struct formats of the floating dtypes (bfloat16: read as float32, once widened).
+_FLOAT_FORMATS = {"float64": "d", "float32": "f", "float16": "e", "bfloat16": "f"}
 
 
 def _value_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | None:
@@ -112,7 +113,7 @@ def _value_problem(name: str, tensor: Tensor, spec: TensorSchema) -> str | None:
 
 
 def _floats(tensor: Tensor) -> tuple[float, ...]:
-    data, fmt = bytes(tensor.data), _FLOAT_FORMATS.get(tensor.dtype, "f")
+    data, fmt = bytes(tensor.data), _FLOAT_FORMATS[tensor.dtype]
     if tensor.dtype == "bfloat16":  # the upper half of a float32, little-endian
         wide = bytearray(2 * len(data))
         wide[2::4], wide[3::4] = data[0::2], data[1::2]

@@ -70,5 +70,10 @@ class ControlPolicy:
         """Whether the server must read each message's CURVE User-Id."""
         return bool(self.allowed_keys) and not self.open
 
+    @property
+    def allows_nobody(self) -> bool:
+        """The default: no client may call control operations."""
+        return not (self.open or self.allowed_keys)
+
     def allows(self, user_id: str | None) -> bool:
         return self.open or (user_id is not None and user_id in self.allowed_keys)

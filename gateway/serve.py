@@ -141,7 +141,7 @@ async def run_gateway(
         listener.close(linger=0)
         raise
     control = _control_policy(args)
-    if vllm_config.kv_transfer_config is not None and not (control.open or control.allowed_keys):
+    if vllm_config.kv_transfer_config is not None and control.allows_nobody:
         logger.warning(
             "the engine has a KV connector, but no client may send kv_transfer_params: allow"
             " the prefill/decode coordinator with --control-key (or --control-open)"

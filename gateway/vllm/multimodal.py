@@ -4,10 +4,9 @@ each client item checked against it and built into vLLM's ``MultiModalKwargsItem
 Owns: the probe of vLLM's own multimodal processor on images of several sizes (tensor names,
 dtypes, ranks, the dims that never change, which counts the others follow, the tokens a
 placeholder embeds at, how many embeddings an item fills, and the range floating values lie
-in); the checks of a client's
-processed item against that (anything else would fail inside the engine, for every
-client); and the ``mm_input`` vLLM's InputProcessor takes. The processor itself never runs
-on a request. Imports vLLM and torch; only this package does.
+in); the checks of a client's processed item against that (anything else would fail inside
+the engine, for every client); and the ``mm_input`` vLLM's InputProcessor takes. The
+processor itself never runs on a request. Imports vLLM and torch; only this package does.
 """
 
 from __future__ import annotations

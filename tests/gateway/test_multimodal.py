@@ -116,7 +116,7 @@ async def test_images_match_offline_vllm(vlm_gateway, processor, offline):
         # ... and what HelloAck tells clients of it.
         said = model.multimodal["image"]
         assert said.tensors["pixel_values"].dims == ["num_patches", 3, 56, 56]
-        # Idefics3's normalisation makes [-1, 1] (learnt from black and white probes).
+        # Idefics3's normalisation makes [-1, 1] (learnt from black, white and noise probes).
         assert said.tensors["pixel_values"].value_range == [-3, 3]
         assert said.tensors["num_patches"] == TensorSchema("int64", [], [None], [1])
         assert (said.embeddings, said.placeholder_tokens) == (

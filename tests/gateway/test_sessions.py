@@ -454,7 +454,11 @@ def test_kv_transfer_params_only_from_keys_the_policy_allows():
     from gateway.auth import ControlPolicy
 
     h = TableHarness()
-    h.table.kv_transfer_allowed = ControlPolicy(allowed_keys=frozenset({"trusted"})).allows
+    policy = ControlPolicy(allowed_keys=frozenset({"trusted"}))
+    # serve warns when the engine has a KV connector and the policy allows nobody.
+    assert ControlPolicy().allows_nobody
+    assert not policy.allows_nobody and not ControlPolicy(open=True).allows_nobody
+    h.table.kv_transfer_allowed = policy.allows
     params = RequestOptions(kv_transfer_params={"do_remote_prefill": True})
     for client_id, key in ((A, None), (B, "stranger"), (b"coordinator", "trusted")):
         h.apply(h.table.on_message(client_id, Hello(1, "t", 1.0), h.now, key))
