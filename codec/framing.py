@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from .bounds import bounded_client_message
+from .bounds import WireBounds, bounded_client_message
 from .errors import ProtocolError
 from .messages import (
     CLIENT_TAGS,
     PROTOCOL_VERSION,
-    Abort,
     ClientMessage,
     ErrorCode,
     Generate,
@@ -30,6 +30,8 @@ from .messages import (
 
 __all__ = [
     "VERSION_FRAME",
+    "message_kind",
+    "peek_ids",
     "prompt_too_long",
     "DEFAULT_MAX_FRAME_BYTES",
     "encode",
@@ -47,7 +49,6 @@ Buffer = bytes | bytearray | memoryview
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
-_any_decoder = msgspec.msgpack.Decoder()
 
 _PATH = re.compile(r" - at `(key` in `)?\$(?:\[(\d+)\])?(.*)`$")
 
@@ -91,39 +92,35 @@ def prompt_too_long(prompt_tokens: int, max_prompt_tokens: int) -> str:
 def decode_client(
     frames: Sequence[Buffer],
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-    max_prompt_tokens: int | None = None,
-    max_multimodal_items: int | None = None,
+    bounds: WireBounds | None = None,
 ) -> ClientMessage:
     """Decode a client's frames (identity already removed) into a ClientMessage.
 
-    With ``max_prompt_tokens``, a Generate whose prompt array is longer is
-    refused from its first bytes, before the costly decode of the whole frame,
-    and so is any placeholder mask (``is_embed``) or PrefixQuery prompt that is
-    longer, and (with ``max_multimodal_items``) a Generate with more items:
-    ``Error(INVALID_REQUEST)`` from the list's header, before its elements.
+    With ``bounds`` (a gateway's), a Generate whose prompt array is longer than
+    ``max_prompt_tokens`` is refused from its first bytes, before the costly decode of the
+    whole frame, and every other list and map of a client message is bounded from its
+    msgpack header (codec.bounds): ``Error(INVALID_REQUEST)`` naming the field and the
+    limit (``INVALID_MESSAGE`` for an Abort's ids), before its elements are decoded.
 
     Raises:
         ProtocolError: the peer's fault; its ``code`` says which rule broke and
-            ``request_id`` is set when the bad message was a readable Generate.
+            ``request_id`` (a Generate's) or ``call_id`` is set where readable.
     """
     try:
         payload = _check_frames(frames, max_frame_bytes)
     except ProtocolError as exc:
         if exc.code is ErrorCode.FRAME_TOO_LARGE:  # name the call or request, if it can
-            head = _peek_head(frames[1])
-            exc.request_id, exc.call_id = head
+            exc.request_id, exc.call_id = _peek_head(frames[1])
         raise
-    if max_prompt_tokens is not None and len(payload) > max_prompt_tokens:
+    if bounds is not None and len(payload) > bounds.max_prompt_tokens:
         head = _peek_generate_head(payload)
-        if head is not None and head[1] > max_prompt_tokens:
+        if head is not None and head[1] > bounds.max_prompt_tokens:
             raise ProtocolError(
-                ErrorCode.INVALID_REQUEST, prompt_too_long(head[1], max_prompt_tokens), head[0]
+                ErrorCode.INVALID_REQUEST,
+                prompt_too_long(head[1], bounds.max_prompt_tokens),
+                head[0],
             )
-    decoder = (
-        _client_decoder
-        if max_prompt_tokens is None
-        else _bounded_decoder(max_prompt_tokens, max_multimodal_items)
-    )
+    decoder = _client_decoder if bounds is None else _bounded_decoder(bounds)
     try:
         return decoder.decode(payload)
     except msgspec.ValidationError as exc:
@@ -136,15 +133,33 @@ def decode_client(
         raise ProtocolError(
             ErrorCode.MALFORMED, f"a string is not valid UTF-8: {exc}", *_peek_head(payload)
         ) from None
+    except RecursionError:
+        raise ProtocolError(
+            ErrorCode.INVALID_MESSAGE,
+            "arrays or maps nested too deep (a client message nests a few levels at most)",
+            *_peek_head(payload),
+        ) from None
 
 
 @functools.lru_cache(maxsize=8)
-def _bounded_decoder(max_prompt_tokens: int, max_multimodal_items: int | None) -> Any:
-    items = _UNBOUNDED if max_multimodal_items is None else max_multimodal_items
-    return msgspec.msgpack.Decoder(bounded_client_message(max_prompt_tokens, items))
+def _bounded_decoder(bounds: WireBounds) -> Any:
+    return msgspec.msgpack.Decoder(bounded_client_message(bounds))
 
 
-_UNBOUNDED = 2**31
+def message_kind(payload: Buffer) -> type | None:
+    """The client message a payload says it is, from its first bytes (its tag); None where
+    they name none. Nothing else is read: the payload may still fail to decode."""
+    reader = _Reader(payload)
+    try:
+        return CLIENT_TAGS.get(reader.integer()) if reader.array() else None
+    except IndexError:
+        return None
+
+
+def peek_ids(payload: Buffer) -> tuple[str | None, int | None]:
+    """A client message's (request_id, call_id) read from its msgpack headers alone (the
+    values before a call_id walked over, never decoded); None where not readable."""
+    return _peek_head(payload)
 
 
 def decode_server(frames: Sequence[Buffer]) -> ServerMessage:
@@ -175,44 +190,60 @@ class _Head:
     call_id: int | None
 
 
-_FULL_PEEK_BYTES = 1 << 20  # above this, an error reads headers only (never every element)
+_raw_decoder = msgspec.msgpack.Decoder(msgspec.Raw)
+_any_decoder = msgspec.msgpack.Decoder()
+_FULL_PEEK_BYTES = 64 * 1024  # decoded untyped on an error path, at most (~2 ms)
 
 
 def _head(payload: Buffer) -> _Head | None:
-    """The head of a message that failed validation; None if it is not one msgpack value."""
-    if len(payload) > _FULL_PEEK_BYTES:
-        try:
-            reader = _Reader(payload)
-            length = reader.array()
-            tag = reader.integer() if length else None
-        except IndexError:
-            return _Head(None, None, None, None)
-        return _Head(length, tag, *_peek_head(payload))
-    raw = _peek(payload)
-    if raw is _NOT_MSGPACK:  # e.g. a value followed by trailing bytes
+    """The head of a message that failed validation, read from msgpack headers alone (never
+    every element); None if the payload is not one msgpack value."""
+    # Small: decoded untyped, which checks its strings' UTF-8 too; large: walked in C,
+    # allocating nothing (a string's bytes unchecked).
+    decoder = _any_decoder if len(payload) <= _FULL_PEEK_BYTES else _raw_decoder
+    try:
+        decoder.decode(payload)
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return None
-    if not isinstance(raw, list):
+    except RecursionError:
+        pass  # one value, nested too deep to walk: the validation error says so
+    reader = _Reader(payload)
+    try:
+        length = reader.array()
+        if length is None:
+            return _Head(None, None, None, None)
+        tag = reader.scalar() if length else None
+    except (IndexError, ValueError):
         return _Head(None, None, None, None)
-    tag = raw[0] if raw else None
-    cls = CLIENT_TAGS.get(tag) if isinstance(tag, int) and not isinstance(tag, bool) else None
-    request_id = call_id = None
-    if cls is Generate and len(raw) > 1 and isinstance(raw[1], str):
-        request_id = raw[1]
-    elif cls is not None and "call_id" in cls.__struct_fields__:
-        position = cls.__struct_fields__.index("call_id") + 1
-        value = raw[position] if len(raw) > position else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            call_id = value
-    return _Head(len(raw), tag, request_id, call_id)
+    return _Head(length, tag, *_peek_head(payload))
 
 
-_LENGTH_BOUND = re.compile(r"^Expected `array` of length <= (\d+)")
-# Lists bounded by a gateway limit (codec.bounds): past it, the request is refused by name.
-_BOUNDED_LISTS = {
-    ("Generate", "multimodal", ""): "max_multimodal_items",
-    ("PrefixQuery", "prompt_token_ids", ""): "max_prompt_tokens",
-}
-_BOUNDED_MASK = re.compile(r"^\[\d+\]\.is_embed$")
+_LENGTH_BOUND = re.compile(r"^Expected `(?:array|object)` of length <= (\d+)")
+# Lists bounded by a gateway limit (codec.bounds), by (message, field, the path within the
+# field): past it, refused naming the field and the limit.
+_INDEX = r"\[\d+\]"
+_BOUNDED_LISTS = [
+    ("Generate", "multimodal", "", "max_multimodal_items"),
+    ("Generate", "multimodal", rf"{_INDEX}\.is_embed", "max_prompt_tokens"),
+    ("Generate", "sampling", r"\.(?:stop_token_ids|allowed_token_ids|logit_bias)", "vocab_size"),
+    ("Generate", "sampling", r"\.bad_words_token_ids", "max_bad_words"),
+    ("Generate", "sampling", rf"\.bad_words_token_ids{_INDEX}", "max_bad_word_len"),
+    ("Generate", "sampling", r"\.stop_token_sequences", "max_stop_sequences"),
+    ("Generate", "sampling", rf"\.stop_token_sequences{_INDEX}", "max_stop_sequence_len"),
+    ("PrefixQuery", "prompt_token_ids", "", "max_prompt_tokens"),
+    ("Abort", "request_ids", "", "max_abort_ids"),
+]
+_BOUNDED = [
+    (name, field, re.compile(rest + "$"), limit) for name, field, rest, limit in _BOUNDED_LISTS
+]
+
+
+def _bounded_limit(name: str, field: str, rest: str) -> str | None:
+    """The limit that bounds this list, if a gateway's limit does."""
+    for bounded_name, bounded_field, pattern, limit in _BOUNDED:
+        if name == bounded_name and field == bounded_field and pattern.match(rest):
+            return limit
+    return None
 
 
 def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> ProtocolError:
@@ -257,18 +288,16 @@ def _translate_validation(exc: msgspec.ValidationError, payload: Buffer) -> Prot
         position = int(index) - 1
         field = fields[position] if position < len(fields) else f"[{index}]"
     bound = _LENGTH_BOUND.match(where)
-    if bound is not None and not in_key:
-        limit = _BOUNDED_LISTS.get((name, field, rest))
-        if limit is None and name == "Generate" and field == "multimodal":
-            limit = "max_prompt_tokens" if _BOUNDED_MASK.match(rest) else None
-        if limit is not None:
-            return ProtocolError(
-                ErrorCode.INVALID_REQUEST,
-                f"{name}.{field}{rest} holds more than {bound.group(1)} entries; {limit} is"
-                f" {bound.group(1)}",
-                request_id,
-                call_id,
-            )
+    limit = _bounded_limit(name, field, rest) if bound is not None and not in_key else None
+    if limit is not None:
+        code = ErrorCode.INVALID_MESSAGE if name == "Abort" else ErrorCode.INVALID_REQUEST
+        return ProtocolError(
+            code,
+            f"{name}.{field}{rest} holds more than {bound.group(1)} entries; {limit} is"
+            f" {bound.group(1)}",
+            request_id,
+            call_id,
+        )
     return ProtocolError(
         ErrorCode.INVALID_MESSAGE, f"{name}.{field}{rest}: {where}", request_id, call_id
     )
@@ -334,7 +363,8 @@ def _peek_generate_head(payload: Buffer) -> tuple[str, int] | None:
 
 
 class _Reader:
-    """msgpack headers read one by one from a payload's start (IndexError: too short)."""
+    """msgpack headers read one by one from a payload's start (IndexError: too short;
+    ValueError: not msgpack there)."""
 
     def __init__(self, payload: Buffer):
         self.data = memoryview(payload)
@@ -346,6 +376,11 @@ class _Reader:
         if self.pos > len(self.data):
             raise IndexError("truncated")
         return int.from_bytes(self.data[start : self.pos], "big")
+
+    def _bytes(self, size: int) -> bytes:
+        start = self.pos
+        self._take(size)
+        return bytes(self.data[start : self.pos])
 
     def array(self) -> int | None:
         kind = self._take(1)
@@ -361,64 +396,120 @@ class _Reader:
         size = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(kind)
         return None if size is None else self._take(size)
 
-    def skip_string(self) -> bool:
-        kind = self._take(1)
-        if 0xA0 <= kind <= 0xBF:
-            size = kind & 0x1F
-        elif kind in (0xD9, 0xDA, 0xDB):
-            size = self._take({0xD9: 1, 0xDA: 2, 0xDB: 4}[kind])
-        else:
-            return False
-        self._take(size)
-        return True
+    def string(self) -> str | None:
+        """A str (None: something else there, read over)."""
+        kind = self.data[self.pos] if self.pos < len(self.data) else None
+        if kind is None or not (0xA0 <= kind <= 0xBF or kind in (0xD9, 0xDA, 0xDB)):
+            self.skip(1)
+            return None
+        self.pos += 1
+        size = kind & 0x1F if kind <= 0xBF else self._take({0xD9: 1, 0xDA: 2, 0xDB: 4}[kind])
+        try:
+            return self._bytes(size).decode()
+        except UnicodeDecodeError:
+            return None
+
+    def scalar(self) -> Any:
+        """An int, float, str, bool or nil, as its value (a container: its header read, a
+        marker returned)."""
+        kind = self.data[self.pos] if self.pos < len(self.data) else None
+        if kind is None:
+            raise IndexError("truncated")
+        if kind <= 0x7F or 0xCC <= kind <= 0xCF:
+            return self.integer()
+        if kind >= 0xE0:
+            self.pos += 1
+            return kind - 0x100
+        if 0xD0 <= kind <= 0xD3:
+            self.pos += 1
+            size = 1 << (kind - 0xD0)
+            return int.from_bytes(self._bytes(size), "big", signed=True)
+        if kind in (0xCA, 0xCB):
+            self.pos += 1
+            return struct.unpack(
+                ">f" if kind == 0xCA else ">d", self._bytes(4 if kind == 0xCA else 8)
+            )[0]
+        if kind in (0xC0, 0xC2, 0xC3):
+            self.pos += 1
+            return {0xC0: None, 0xC2: False, 0xC3: True}[kind]
+        if 0xA0 <= kind <= 0xBF or kind in (0xD9, 0xDA, 0xDB):
+            return self.string()
+        return _CONTAINER  # (not read over: a tag's reader stops here)
+
+    def skip(self, budget: int) -> int:
+        """Read over one value, walking at most ``budget`` values in all; the budget left.
+        Raises ValueError past the budget, or where the bytes are not msgpack."""
+        pending = 1
+        while pending:
+            pending -= 1
+            budget -= 1
+            if budget < 0:
+                raise ValueError("over the walking budget")
+            kind = self._take(1)
+            if kind <= 0x7F or kind >= 0xE0 or kind in (0xC0, 0xC2, 0xC3):
+                continue
+            if 0x80 <= kind <= 0x8F:
+                pending += 2 * (kind & 0x0F)
+            elif 0x90 <= kind <= 0x9F:
+                pending += kind & 0x0F
+            elif 0xA0 <= kind <= 0xBF:
+                self._take(kind & 0x1F)
+            elif kind in _FIXED_SIZES:
+                self._take(_FIXED_SIZES[kind])
+            elif kind in _SIZED:
+                self._take(self._take(_SIZED[kind]))
+            elif kind in _EXT:
+                self._take(self._take(_EXT[kind]) + 1)
+            elif kind in (0xDC, 0xDD):
+                pending += self._take(2 if kind == 0xDC else 4)
+            elif kind in (0xDE, 0xDF):
+                pending += 2 * self._take(2 if kind == 0xDE else 4)
+            else:  # 0xC1: never used
+                raise ValueError("not msgpack")
+        return budget
 
 
+class _Container:
+    def __repr__(self) -> str:
+        return "an array, map, bin or ext"
+
+
+_CONTAINER = _Container()
+# msgpack kinds by how their size is given: fixed payload sizes (floats, ints, fixext with
+# its type byte), a length of 1/2/4 bytes then the data (bin, str), ext (length, type, data).
+_FIXED_SIZES = {
+    0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4,
+    0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17,
+}  # fmt: skip
+_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+_EXT = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 _CALL_ID_AT = {  # tag -> the call_id's position among the message's fields
     tag: cls.__struct_fields__.index("call_id")
     for tag, cls in CLIENT_TAGS.items()
     if "call_id" in cls.__struct_fields__
 }
-_ABORT_TAG = Abort.__struct_config__.tag
-_MAX_PEEKED_IDS = 65_536  # an Abort's ids walked over to reach its call_id
+_PEEK_BUDGET = 65_536  # values walked over to reach a call_id (an Abort's ids)
 
 
 def _peek_head(payload: Buffer) -> tuple[str | None, int | None]:
     """(request_id, call_id) read from a message's first bytes where the message could not
-    be decoded whole (too large, or not msgpack past its start); (None, None) if unreadable.
-    Reads headers only: an Abort's ids are walked over, not decoded."""
+    be decoded whole (too large, not msgpack past its start, a field out of bounds);
+    (None, None) where unreadable. Reads headers only: the fields before a call_id are
+    walked over (at most ``_PEEK_BUDGET`` values), not decoded."""
+    reader = _Reader(payload)
     try:
-        if isinstance(head := _peek_generate_head(payload), tuple):
-            return head[0], None
-        reader = _Reader(payload)
         if not reader.array():
             return None, None
         tag = reader.integer()
+        if tag == _GENERATE_TAG:
+            return reader.string(), None
         at = _CALL_ID_AT.get(tag) if tag is not None else None
         if at is None:
             return None, None
-        if tag == _ABORT_TAG:  # request_ids (nil or an array of strings), then call_id
-            if reader.data[reader.pos] == 0xC0:
-                reader.pos += 1
-            else:
-                count = reader.array()
-                if count is None or count > _MAX_PEEKED_IDS:
-                    return None, None
-                for _ in range(count):
-                    if not reader.skip_string():
-                        return None, None
-        elif at != 0:
-            return None, None
-        return None, reader.integer()
-    except IndexError:
+        budget = _PEEK_BUDGET
+        for _ in range(at):
+            budget = reader.skip(budget)
+        call_id = reader.scalar()
+    except (IndexError, ValueError):
         return None, None
-
-
-_NOT_MSGPACK = object()
-
-
-def _peek(payload: Buffer) -> Any:
-    """Untyped decode, only on the error path, for tag and request id (or _NOT_MSGPACK)."""
-    try:
-        return _any_decoder.decode(payload)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return _NOT_MSGPACK
+    return None, call_id if isinstance(call_id, int) and not isinstance(call_id, bool) else None

@@ -191,7 +191,7 @@ class RequestOptions(
 
     priority: int = 0
     cache_salt: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: OpaqueMap | None = None  # type: ignore[valid-type]
     lora_name: str | None = None
     data_parallel_rank: int | None = None
     # Gateway-side timeouts, seconds (PROTOCOL.md §7.10): finish reason TIMED_OUT.
@@ -219,6 +219,30 @@ FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
 MAX_TENSOR_DIMS = 16  # dims of one Tensor's shape (vLLM's processors make at most 5)
 MAX_ITEM_TENSORS = 64  # tensors of one MultimodalItem (a processor makes a handful)
 MAX_ABORT_SAMPLES = 1024  # indices in one AbortSamples
+MAX_WAKE_UP_TAGS = 16  # tags of one WakeUp (vLLM knows two: "weights", "kv_cache")
+# A backend's or connector's map (kv_transfer_params, init_info, update_info): nil, bool,
+# int, float, str, arrays and maps with str keys, nested at most MAX_OPAQUE_DEPTH deep below
+# the map, each array or map at most MAX_OPAQUE_LEN entries (PROTOCOL.md section 10).
+MAX_OPAQUE_DEPTH = 3
+MAX_OPAQUE_LEN = 1 << 20
+
+
+def _opaque_value(depth: int) -> Any:
+    """A backend map's value, containers nested at most ``depth`` deep."""
+    scalar = None | bool | int | float | str
+    if depth == 0:
+        return scalar
+    inner = _opaque_value(depth - 1)
+    return (
+        scalar
+        | Annotated[list[inner], Meta(max_length=MAX_OPAQUE_LEN)]  # type: ignore[valid-type]
+        | Annotated[dict[str, inner], Meta(max_length=MAX_OPAQUE_LEN)]  # type: ignore[valid-type]
+    )
+
+
+OpaqueMap = Annotated[dict[str, _opaque_value(MAX_OPAQUE_DEPTH)], Meta(max_length=MAX_OPAQUE_LEN)]
+"""A map a client passes through to vLLM (a KV connector's or weight backend's), bounded
+in depth and length so that its decoding is too."""
 
 
 class Tensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
@@ -377,7 +401,7 @@ class WakeUp(_ClientBase, tag=14):
     """vLLM's wake_up (``tags``: e.g. ["weights"], ["kv_cache"]; nil: everything)."""
 
     call_id: int = 0
-    tags: list[str] | None = None
+    tags: Annotated[list[str], Meta(max_length=MAX_WAKE_UP_TAGS)] | None = None
 
 
 class LoadLora(_ClientBase, tag=15):
@@ -412,7 +436,7 @@ class InitWeightTransfer(_ClientBase, tag=18):
     started with --weight-transfer-config). Answered by ControlDone."""
 
     call_id: int = 0
-    init_info: dict[str, Any] = {}
+    init_info: OpaqueMap = {}  # type: ignore[valid-type]
 
 
 class StartWeightUpdate(_ClientBase, tag=19):
@@ -429,7 +453,9 @@ class UpdateWeights(_ClientBase, tag=20):
     by ``dp_rank * world_size + worker_rank``. Answered by ControlDone."""
 
     call_id: int = 0
-    update_info: dict[str, Any] | list[dict[str, Any]] = {}
+    update_info: (
+        OpaqueMap | Annotated[list[OpaqueMap], Meta(max_length=MAX_OPAQUE_LEN)]  # type: ignore[valid-type]
+    ) = {}
 
 
 class FinishWeightUpdate(_ClientBase, tag=21):
@@ -596,6 +622,10 @@ class Limits(msgspec.Struct, frozen=True, gc=False):
     max_clients: int = 0  # sessions at once; 0: unlimited
     max_stop_sequences: int = 0  # per request; 0: stop_token_sequences unsupported
     max_stop_sequence_len: int = 0
+    # SamplingParams.bad_words_token_ids per request, and ids in one (0: an older gateway,
+    # which bounded them by the frame alone).
+    max_bad_words: int = 0
+    max_bad_word_len: int = 0
     # Multimodal items (PROTOCOL.md §7.16): per request, and bytes of tensors per item and
     # per request (0: multimodal unsupported); bytes of items held for resending by hash.
     max_multimodal_items: int = 0

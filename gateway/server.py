@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import functools
 import gc
 import logging
 import time
@@ -31,7 +32,8 @@ from codec import (
     ServerMessage,
     decode_client,
 )
-from codec.framing import DEFAULT_MAX_FRAME_BYTES, encode_payload
+from codec.bounds import WireBounds
+from codec.framing import DEFAULT_MAX_FRAME_BYTES, encode_payload, message_kind, peek_ids
 
 from .auth import ControlPolicy, CurveConfig
 from .control import ENGINE_STATE_CALLS, control_reply
@@ -270,9 +272,7 @@ class Gateway:
     async def _receive_loop(self, sock: LoopWatchedSocket) -> None:
         table = self.table
         max_frame = self.limits.max_frame_bytes
-        max_prompt = table.wire_limits.max_prompt_tokens
-        # A model without images refuses items as UNSUPPORTED (the table), not by count.
-        max_items = table.wire_limits.max_multimodal_items or None
+        bounds = WireBounds.of(table.wire_limits, table.info.vocab_size)
         clock = time.perf_counter
         received = 0
         held_since = clock()
@@ -295,8 +295,23 @@ class Gateway:
             client_id = frames[0]
             now = time.monotonic()
             try:
+                # A frame whose tag alone refuses it (a control call from a client not
+                # allowed, a message that needs a session without one) is not decoded.
+                payload = frames[2] if len(frames) == 3 else None
+                kind = None if payload is None else message_kind(payload)
+                refused = kind is not None and table.before_decode(
+                    client_id,
+                    kind,
+                    now,
+                    kind in CONTROL_MESSAGES and policy.allows(user_id),
+                    functools.partial(peek_ids, payload),
+                    user_id,
+                )
+                if refused:
+                    await self._apply(refused)
+                    continue
                 try:
-                    msg = decode_client(frames[1:], max_frame, max_prompt, max_items)
+                    msg = decode_client(frames[1:], max_frame, bounds)
                 except ProtocolError as exc:
                     effects = table.on_protocol_error(client_id, exc, now)
                 else:

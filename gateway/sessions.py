@@ -75,6 +75,7 @@ from codec import (
     prompt_too_long,
     wire_type,
 )
+from codec.bounds import decode_kv_params, kv_params_given
 
 from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_request_id
 from .errors import RequestRejected
@@ -90,6 +91,14 @@ logger = logging.getLogger("engine_gateway")
 PrefixQueryFn = Callable[[list[int], RequestOptions | None], tuple[list[int | None], int, str]]
 
 MAX_ROUTING_KEY_LEN = 256  # RequestOptions.routing_key (PROTOCOL.md section 3)
+# What a message that needs a session is told without one (HANDSHAKE_REQUIRED).
+_HELLO_FIRST = {
+    Generate: "send Hello before Generate (or again after a heartbeat timeout)",
+    Abort: "send Hello before Abort",
+    AbortSamples: "send Hello before AbortSamples",
+    PrefixQuery: "send Hello before PrefixQuery",
+    **{kind: "send Hello before control calls" for kind in CONTROL_MESSAGES},
+}
 
 
 def frame_limit_for(max_model_len: int) -> int:
@@ -116,6 +125,8 @@ class GatewayLimits:
     max_clients: int = 4096  # sessions at once (and slow consumers still owed frames)
     max_stop_sequences: int = 32  # SamplingParams.stop_token_sequences per request
     max_stop_sequence_len: int = 64  # tokens in one stop sequence
+    max_bad_words: int = 1024  # SamplingParams.bad_words_token_ids per request
+    max_bad_word_len: int = 64  # tokens in one bad word
     # Multimodal items (models with modalities only; PROTOCOL.md §7.16).
     max_multimodal_items: int = 16  # per request
     max_multimodal_item_bytes: int = 32 * 1024 * 1024
@@ -323,6 +334,8 @@ class SessionTable:
             max_clients=limits.max_clients,
             max_stop_sequences=limits.max_stop_sequences,
             max_stop_sequence_len=limits.max_stop_sequence_len,
+            max_bad_words=limits.max_bad_words,
+            max_bad_word_len=limits.max_bad_word_len,
             max_multimodal_items=limits.max_multimodal_items if mm else 0,
             max_multimodal_item_bytes=limits.max_multimodal_item_bytes if mm else 0,
             max_multimodal_request_bytes=limits.max_multimodal_request_bytes if mm else 0,
@@ -432,9 +445,7 @@ class SessionTable:
         if not authorized:
             return self._on_unauthorized_control(client_id, msg, now)
         if client is None:
-            error = Error(
-                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before control calls", call_id
-            )
+            error = Error(None, ErrorCode.HANDSHAKE_REQUIRED, _HELLO_FIRST[Pause], call_id)
             return Effects(replies=[(client_id, error)])
         if problem := _control_problem(msg):
             error = Error(None, ErrorCode.INVALID_MESSAGE, problem, call_id)
@@ -452,15 +463,48 @@ class SessionTable:
         return effects
 
     def _on_unauthorized_control(self, client_id: bytes, msg: ClientMessage, now: float) -> Effects:
-        name = type(msg).__name__
+        return self._unauthorized(client_id, wire_type(msg), msg.call_id)
+
+    @staticmethod
+    def _unauthorized(client_id: bytes, kind: type, call_id: int | None) -> Effects:
         error = Error(
             None,
             ErrorCode.UNAUTHORIZED,
-            f"{name} changes or inspects the engine for every client; this client is not"
-            " allowed to call it (the operator allows clients with --control-key or"
+            f"{kind.__name__} changes or inspects the engine for every client; this client is"
+            " not allowed to call it (the operator allows clients with --control-key or"
             " --control-open)",
-            msg.call_id,
+            call_id,
         )
+        return Effects(replies=[(client_id, error)])
+
+    def before_decode(
+        self,
+        client_id: bytes,
+        kind: type,
+        now: float,
+        authorized: bool,
+        ids: Callable[[], tuple[str | None, int | None]],
+        key: str | None = None,
+    ) -> Effects | None:
+        """The refusal a frame of message ``kind`` gets from its tag alone, before its payload
+        is decoded (which costs with its size): a control call from a client not allowed
+        (``authorized``: the server's policy), or a message that needs a session from a
+        client without one; the same Error, in the same order, as after decoding. ``ids``
+        reads the frame's (request_id, call_id) from its headers. None: decode it."""
+        control = kind in CONTROL_MESSAGES
+        if kind not in _HELLO_FIRST or (kind is PrefixQuery and self._prefix_query is None):
+            return None
+        client = self._clients.get(client_id)
+        if client is not None:
+            if client.key != key or not (control and not authorized):
+                return None  # decoded, then refused (another key's) or served as usual
+            client.last_seen = now
+            client.fresh = False
+            return self._unauthorized(client_id, kind, ids()[1])
+        if control and not authorized:
+            return self._unauthorized(client_id, kind, ids()[1])
+        request_id, call_id = ids()
+        error = Error(request_id, ErrorCode.HANDSHAKE_REQUIRED, _HELLO_FIRST[kind], call_id)
         return Effects(replies=[(client_id, error)])
 
     def gateway_stats(self) -> dict[str, int]:
@@ -575,7 +619,7 @@ class SessionTable:
                 client_id,
                 request_id,
                 ErrorCode.HANDSHAKE_REQUIRED,
-                "send Hello before Generate (or again after a heartbeat timeout)",
+                _HELLO_FIRST[Generate],
             )
         if request_id in client.requests:
             return self._refuse(
@@ -634,10 +678,19 @@ class SessionTable:
         if problem is not None:
             return self._refuse(client_id, request_id, ErrorCode.INVALID_REQUEST, problem)
         options = msg.options
-        kv_transfer = options is not None and options.kv_transfer_params is not None
-        if kv_transfer and not self.kv_transfer_allowed(client.key):
-            return self._refuse(client_id, request_id, ErrorCode.UNAUTHORIZED, KV_REFUSED)
         submitted = msg
+        if options is not None and options.kv_transfer_params is not None:
+            params = None  # an explicit nil
+            if kv_params_given(options):
+                if not self.kv_transfer_allowed(client.key):
+                    return self._refuse(client_id, request_id, ErrorCode.UNAUTHORIZED, KV_REFUSED)
+                try:  # decoded only now, the sender known to be allowed them (codec.bounds)
+                    params = decode_kv_params(options.kv_transfer_params)
+                except ValueError as exc:
+                    message = str(exc)
+                    return self._refuse(client_id, request_id, ErrorCode.INVALID_REQUEST, message)
+            options = msgspec.structs.replace(options, kv_transfer_params=params)
+            submitted = msgspec.structs.replace(msg, options=options)
         multimodal_bytes = 0
         if msg.multimodal:
             store = self.multimodal
@@ -656,7 +709,7 @@ class SessionTable:
             refused = self._multimodal_over(client, client_id, request_id, multimodal_bytes)
             if refused is not None:
                 return refused
-            submitted = msgspec.structs.replace(msg, multimodal=items)
+            submitted = msgspec.structs.replace(submitted, multimodal=items)
         if submitted.options is not None and submitted.options.routing_key is not None:
             # Each client's keys are its own: no client can re-point or evict another's.
             owner = client.key or client_id.hex()
@@ -790,9 +843,7 @@ class SessionTable:
     def _on_abort(self, client_id: bytes, msg: Abort, now: float) -> Effects:
         client = self._clients.get(client_id)
         if client is None:
-            error = Error(
-                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before Abort", msg.call_id
-            )
+            error = Error(None, ErrorCode.HANDSHAKE_REQUIRED, _HELLO_FIRST[Abort], msg.call_id)
             return Effects(replies=[(client_id, error)])
         ids = list(client.requests) if msg.request_ids is None else msg.request_ids
         if len(ids) > self.wire_limits.max_abort_ids:
@@ -825,7 +876,7 @@ class SessionTable:
         client = self._clients.get(client_id)
         if client is None:
             error = Error(
-                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before AbortSamples", msg.call_id
+                None, ErrorCode.HANDSHAKE_REQUIRED, _HELLO_FIRST[AbortSamples], msg.call_id
             )
             return Effects(replies=[(client_id, error)])
         request = client.requests.get(msg.request_id)
@@ -885,9 +936,7 @@ class SessionTable:
             return Effects(replies=[(client_id, error)])
         client = self._clients.get(client_id)
         if client is None:  # each query hashes the whole prompt: no work for strangers
-            error = Error(
-                None, ErrorCode.HANDSHAKE_REQUIRED, "send Hello before PrefixQuery", call_id
-            )
+            error = Error(None, ErrorCode.HANDSHAKE_REQUIRED, _HELLO_FIRST[PrefixQuery], call_id)
             return Effects(replies=[(client_id, error)])
         if not self._take_rate_token(client, now):
             rate = self.limits.max_request_rate_per_client
@@ -903,7 +952,11 @@ class SessionTable:
             message = f"prompt_token_ids must hold 1 to {limit} ids, got {len(prompt)}"
             error = Error(None, ErrorCode.INVALID_REQUEST, message, call_id)
             return Effects(replies=[(client_id, error)])
-        options = self._isolated(client, msg.options) if self.cache_isolation else msg.options
+        options = msg.options
+        if options is not None and options.kv_transfer_params is not None:  # not hashed
+            options = msgspec.structs.replace(options, kv_transfer_params=None)
+        if self.cache_isolation:
+            options = self._isolated(client, options)
         try:
             matched, block_size, policy = self._prefix_query(prompt, options)
         except RequestRejected as exc:

@@ -19,6 +19,7 @@ from codec import (
     framing,
     wire_type,
 )
+from codec.bounds import WireBounds
 from codec.messages import CLIENT_TAGS
 
 V1 = b"\x01"
@@ -183,7 +184,8 @@ def test_lists_past_the_gateways_limits_are_refused_from_their_header(monkeypatc
     """A placeholder mask or PrefixQuery prompt over max_prompt_tokens, or more items than
     max_multimodal_items, is INVALID_REQUEST naming the request and the limit; the
     error path reads headers only for a large frame (never decodes every element)."""
-    limits = {"max_frame_bytes": 1 << 30, "max_prompt_tokens": 64, "max_multimodal_items": 2}
+    bounds = WireBounds(max_prompt_tokens=64, max_multimodal_items=2)
+    limits = {"max_frame_bytes": 1 << 30, "bounds": bounds}
     exc = decode_error(_with_mask(65), **limits)
     assert exc.code is ErrorCode.INVALID_REQUEST and exc.request_id == "r-mm"
     assert "multimodal[0].is_embed holds more than 64 entries; max_prompt_tokens" in str(exc)
@@ -199,10 +201,11 @@ def test_lists_past_the_gateways_limits_are_refused_from_their_header(monkeypatc
     assert len(msg.multimodal[1].is_embed) == 64
     assert wire_type(decode_client(encode(PrefixQuery(9, [1] * 64)), **limits)) is PrefixQuery
 
-    def full_decode(payload):
-        raise AssertionError(f"a {len(payload)}-byte payload was decoded whole")
+    class FullDecode:
+        def decode(self, payload):
+            raise AssertionError(f"a {len(payload)}-byte payload was decoded whole")
 
-    monkeypatch.setattr(framing, "_peek", full_decode)
+    monkeypatch.setattr(framing, "_any_decoder", FullDecode())
     big = _with_mask(2 << 20)
     exc = decode_error(big, **limits)
     assert exc.code is ErrorCode.INVALID_REQUEST and exc.request_id == "r-mm"
