@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
-import functools
 import gc
 import logging
 import time
@@ -295,16 +294,14 @@ class Gateway:
             client_id = frames[0]
             now = time.monotonic()
             try:
-                # A frame whose tag alone refuses it (a control call from a client not
-                # allowed, a message that needs a session without one) is not decoded.
-                payload = frames[2] if len(frames) == 3 else None
-                kind = None if payload is None else message_kind(payload)
-                refused = kind is not None and table.before_decode(
+                # A control call from a client not allowed is refused from its tag alone.
+                kind = message_kind(frames[2]) if len(frames) == 3 else None
+                refused = kind in CONTROL_MESSAGES and table.before_decode(
                     client_id,
                     kind,
                     now,
-                    kind in CONTROL_MESSAGES and policy.allows(user_id),
-                    functools.partial(peek_ids, payload),
+                    policy.allows(user_id),
+                    lambda: peek_ids(frames[2])[1],  # noqa: B023 - called at once
                     user_id,
                 )
                 if refused:

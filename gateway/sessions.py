@@ -104,8 +104,9 @@ _HELLO_FIRST = {
 def frame_limit_for(max_model_len: int) -> int:
     """The default ``max_frame_bytes``: room for the largest valid Generate of a model with
     this context (a prompt of ``max_model_len`` ids at up to 5 msgpack bytes each) plus
-    64 KiB for sampling fields and options. A frame is decoded whole, holding the event
-    loop (8 MiB: ~150 ms), so the limit grows with what the model can take, no further."""
+    64 KiB for sampling fields and options. A frame's decode holds the event loop (every
+    list is bounded from its header, codec.bounds; what is left scales with the frame), so
+    the limit grows with what the model can take, no further."""
     return 5 * max_model_len + 64 * 1024
 
 
@@ -483,29 +484,23 @@ class SessionTable:
         kind: type,
         now: float,
         authorized: bool,
-        ids: Callable[[], tuple[str | None, int | None]],
+        call_id: Callable[[], int | None],
         key: str | None = None,
     ) -> Effects | None:
         """The refusal a frame of message ``kind`` gets from its tag alone, before its payload
-        is decoded (which costs with its size): a control call from a client not allowed
-        (``authorized``: the server's policy), or a message that needs a session from a
-        client without one; the same Error, in the same order, as after decoding. ``ids``
-        reads the frame's (request_id, call_id) from its headers. None: decode it."""
-        control = kind in CONTROL_MESSAGES
-        if kind not in _HELLO_FIRST or (kind is PrefixQuery and self._prefix_query is None):
+        is decoded: a control call from a client the server's policy does not allow
+        (``authorized``), whose maps (``update_info``, ``init_info``) may be as large as a
+        frame. The same Error as after decoding (``on_control``); ``call_id`` reads the
+        frame's from its headers. None: decode it."""
+        if kind not in CONTROL_MESSAGES or authorized:
             return None
         client = self._clients.get(client_id)
         if client is not None:
-            if client.key != key or not (control and not authorized):
-                return None  # decoded, then refused (another key's) or served as usual
+            if client.key != key:
+                return None  # decoded, then refused as another key's
             client.last_seen = now
             client.fresh = False
-            return self._unauthorized(client_id, kind, ids()[1])
-        if control and not authorized:
-            return self._unauthorized(client_id, kind, ids()[1])
-        request_id, call_id = ids()
-        error = Error(request_id, ErrorCode.HANDSHAKE_REQUIRED, _HELLO_FIRST[kind], call_id)
-        return Effects(replies=[(client_id, error)])
+        return self._unauthorized(client_id, kind, call_id())
 
     def gateway_stats(self) -> dict[str, int]:
         """The gateway's own counts, for StatsReply."""

@@ -57,11 +57,18 @@ sampling_params = st.builds(
     allowed_token_ids=st.none() | st.lists(small_ints, max_size=4),
     bad_words_token_ids=st.none() | st.lists(st.lists(small_ints, max_size=3), max_size=3),
 )
-json_values = st.recursive(
-    st.none() | st.booleans() | small_ints | floats | text,
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(text, children, max_size=3),
-    max_leaves=8,
-)
+
+
+def _backend_values(depth: int) -> st.SearchStrategy:
+    """A backend map's values (codec.messages.OpaqueMap): containers ``depth`` deep at most."""
+    scalars = st.none() | st.booleans() | small_ints | floats | text
+    if depth == 0:
+        return scalars
+    inner = _backend_values(depth - 1)
+    return scalars | st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3)
+
+
+json_values = _backend_values(3)
 request_options = st.builds(
     RequestOptions,
     priority=small_ints,

@@ -266,3 +266,36 @@ def test_identical_control_frames_are_each_answered():
         assert [(m.call_id, m.operation) for m in done] == [(5, "pause"), (5, "pause")]
         sock.send_multipart(encode(Resume(6)))
         sock.close()
+
+
+async def test_a_control_call_from_a_client_not_allowed_is_refused_before_it_is_decoded():
+    """Its tag alone refuses it (UNAUTHORIZED with its call_id, read from the headers):
+    an UpdateWeights whose map would be INVALID_MESSAGE, or that holds a frame's worth of
+    nested lists, is never decoded; the same call from an allowed client is."""
+    from tests.gateway.test_server import raw_dealer, recv
+
+    engine = FakeEngine()
+    too_deep = {"a": [[[[1]]]]}  # past the backend map's depth: INVALID_MESSAGE if decoded
+    nested = {"a": [[0]] * 1_000_000}  # ~3 MB: ~60 MB of lists if decoded
+    async with running_gateway(engine) as gw, AsyncClient(gw.addresses[0]) as client:
+        sock = await raw_dealer(gw.addresses[0])
+        try:
+            for update_info in (too_deep, nested):
+                payload = msgspec.msgpack.encode([20, 31, update_info])
+                await sock.send_multipart([VERSION_FRAME, payload])
+                err = await recv(sock)
+                assert (err.code, err.call_id) == (ErrorCode.UNAUTHORIZED, 31), err
+                assert err.message.startswith("UpdateWeights changes or inspects the engine")
+            await sock.send_multipart([VERSION_FRAME, msgspec.msgpack.encode([14, 32, ["x"] * 17])])
+            err = await recv(sock)
+            assert (err.code, err.call_id) == (ErrorCode.UNAUTHORIZED, 32), err
+        finally:
+            sock.close(0)
+        assert (await client.health()).state == "serving"
+    async with (
+        running_gateway(FakeEngine(), control=OPEN) as gw,
+        AsyncClient(gw.addresses[0]) as client,
+    ):
+        with pytest.raises(RequestFailed) as info:
+            await client.update_weights(too_deep)
+        assert info.value.code is ErrorCode.INVALID_MESSAGE

@@ -203,7 +203,7 @@ async def test_bad_stop_sequences_are_refused_with_their_reason(client, real_gat
     for sequences, fragment in (
         ([[]], "is empty"),
         ([[1, vocab]], "outside the vocabulary"),
-        ([[1] * (limit + 1)], f"at most {limit}"),
+        ([[1] * (limit + 1)], f"max_stop_sequence_len is {limit}"),
     ):
         with pytest.raises(RequestFailed) as info:
             await client.complete(PROMPT, greedy(4, stop_token_sequences=sequences))
