@@ -18,6 +18,10 @@ and starts from empty caches (ResetPrefixCache). Targets:
 - ``cache:W:RATIO:SLACK``: ``cache`` with another prefix weight and balance guard (a sweep);
 - ``ceiling``: one engine (DP=1) with the two ranks' KV blocks together: every request
   can reuse everything earlier requests left;
+- ``pool`` and ``pool-load``: two single-engine gateways (one core each, each with one
+  rank's blocks), the client a ``GatewayPool`` with ``policy="cache"`` (PrefixQuery on
+  each gateway's default index: the prompts it served and what they generated) or
+  ``"load"``; the "rank" is the gateway;
 - ``ideal`` (analytic, per run): the whole-block prefix each request shares with the prompts
   and outputs of the requests sent before it, at most ``len - 1`` tokens (vLLM's rule).
 
@@ -49,6 +53,7 @@ from typing import Any
 BLOCK = 32
 SIZES = {"large": 4096, "small": 160}  # KV blocks per rank
 POLICIES = ("cache", "approximate", "load", "round-robin", "hash", "ceiling")
+POOL_POLICIES = {"pool": "cache", "pool-load": "load"}  # (not run unless named)
 WORKLOADS = ("shared_prefix", "multi_turn", "grpo", "zipf", "unique")
 CONCURRENCY = 8
 VOCAB = (4, 500)
@@ -179,15 +184,17 @@ class Ideal:
 
 
 async def run_workload(
-    client: Any, engine: Any, ranks_of: dict[str, int], name: str, policy: str, seed: int
+    client: Any, ranks: int, ranks_of: dict[str, int], name: str, policy: str, seed: int
 ) -> Run:
+    """``ranks_of``: request id -> rank, filled as requests are submitted (a pool's
+    requests are placed by the gateway they went to instead)."""
     from client import RequestOptions, SamplingParams
 
     rng = random.Random(seed)
     counter = itertools.count()
     ideal = Ideal()
     run = Run()
-    ranks = engine._vllm_config.parallel_config.data_parallel_size
+    gateways = [c.address for c in getattr(client, "clients", ())]
 
     async def send(prompt: list[int], n: int = 1, key: str | None = None) -> Sent:
         options = RequestOptions(routing_key=key)
@@ -204,13 +211,16 @@ async def run_workload(
         outputs: dict[int, list[int]] = {}
         cached = 0
         request_id = f"{name}-{policy}-{next(counter)}"
-        async for out in client.generate(prompt, sampling, request_id=request_id, options=options):
+        stream = client.generate(prompt, sampling, request_id=request_id, options=options)
+        async for out in stream:
             if first is None and out.new_token_ids:
                 first = time.monotonic()
             outputs.setdefault(out.index, []).extend(out.new_token_ids)
             if out.finished is not None and out.index == 0:
                 cached = out.finished.cached_tokens
         rank = ranks_of.pop(request_id, None)
+        if gateways:
+            rank = gateways.index(stream.gateway)
         sent = Sent(len(prompt), cached, expected, (first or start) - start, rank, outputs[0])
         for produced in outputs.values():
             ideal.add(prompt + produced)
@@ -284,7 +294,7 @@ def summarize(name: str, size: str, policy: str, run: Run, ranks: int) -> dict:
     }
 
 
-async def _engine(ranks: int, blocks_per_rank: int) -> Any:
+async def _engine(ranks: int, blocks_per_rank: int, kv_events: bool = True) -> Any:
     from gateway.routing import RoutingConfig
     from gateway.tiny_model import ensure_tiny_model
     from gateway.vllm import VllmEngine, default_engine_args, enable_kv_events
@@ -299,8 +309,59 @@ async def _engine(ranks: int, blocks_per_rank: int) -> Any:
         num_gpu_blocks_override=blocks_per_rank,
         seed=0,
     )
+    if not kv_events:  # a single-engine gateway as `serve` starts one by default
+        return await VllmEngine.start(args, routing=RoutingConfig("load", index="approximate"))
     enable_kv_events(args)
     return await VllmEngine.start(args, routing=RoutingConfig("cache"))
+
+
+async def measure_pool(args: argparse.Namespace, size: str, policies: list[str]) -> list[dict]:
+    """Two single-engine gateways (one core each) behind a GatewayPool per policy."""
+    from client import GatewayPool
+    from gateway.auth import ControlPolicy
+    from gateway.server import Gateway
+    from gateway.sessions import GatewayLimits
+
+    rows, engines, gateways, serving = [], [], [], []
+    limits = GatewayLimits(max_in_flight_per_client=100_000, max_in_flight_total=100_000)
+    try:
+        for core in range(2):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+            engine = await _engine(1, SIZES[size], kv_events=False)
+            engines.append(engine)
+            address = f"ipc:///tmp/eg-routing-pool-{os.getpid()}-{core}.sock"
+            gateway = Gateway(engine, address, limits, control=ControlPolicy(open=True))
+            gateways.append(gateway)
+            serving.append(asyncio.ensure_future(gateway.serve()))
+            await gateway.ready.wait()
+        addresses = [g.addresses[0] for g in gateways]
+        for name in args.workloads.split(","):
+            for policy in policies:
+                async with GatewayPool(addresses, policy=POOL_POLICIES[policy]) as pool:
+                    for client in pool.clients:
+                        await client.reset_prefix_cache()
+                    run = await run_workload(pool, 2, {}, name, policy, args.seed)
+                row = summarize(name, size, policy, run, 2)
+                rows.append(row)
+                _print_row(row)
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+        await asyncio.gather(*serving, return_exceptions=True)
+        for engine in engines:
+            await engine.aclose()
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return rows
+
+
+def _print_row(row: dict) -> None:
+    print(
+        f"{row['cache']:5} {row['workload']:13} {row['policy']:11} hit {row['hit_rate']:.3f}"
+        f" (ideal {row['ideal_hit_rate']:.3f}) computed {row['computed_tokens']:6} TTFT p50"
+        f" {row['ttft_p50_ms']:6.1f} ms  share {row['requests_per_rank']}"
+        f"  decisions {row.get('decisions', {})}",
+        flush=True,
+    )
 
 
 async def measure(args: argparse.Namespace) -> list[dict]:
@@ -315,7 +376,11 @@ async def measure(args: argparse.Namespace) -> list[dict]:
     for size in args.sizes.split(","):
         per_rank = SIZES[size]
         layouts = []
-        policies = [p for p in args.policies.split(",") if p != "ceiling"]
+        named = args.policies.split(",")
+        pooled = [p for p in named if p in POOL_POLICIES]
+        if pooled:
+            rows += await measure_pool(args, size, pooled)
+        policies = [p for p in named if p != "ceiling" and p not in POOL_POLICIES]
         if policies:
             layouts.append((2, per_rank, policies))
         if "ceiling" in args.policies.split(","):
@@ -340,7 +405,7 @@ async def measure(args: argparse.Namespace) -> list[dict]:
                             await client.reset_prefix_cache()
                             before = _predictions(engine)
                             run = await run_workload(
-                                client, engine, ranks_of, name, policy, args.seed
+                                client, ranks, ranks_of, name, policy, args.seed
                             )
                             row = summarize(name, size, policy, run, ranks)
                             row["predictions"] = [
@@ -353,14 +418,7 @@ async def measure(args: argparse.Namespace) -> list[dict]:
                                 if count
                             }
                             rows.append(row)
-                            print(
-                                f"{size:5} {name:13} {policy:11} hit {row['hit_rate']:.3f}"
-                                f" (ideal {row['ideal_hit_rate']:.3f}) computed"
-                                f" {row['computed_tokens']:6} TTFT p50 {row['ttft_p50_ms']:6.1f}"
-                                f" ms  share {row['requests_per_rank']}"
-                                f"  decisions {row['decisions']}",
-                                flush=True,
-                            )
+                            _print_row(row)
             finally:
                 gateway.stop()
                 await asyncio.gather(serving, return_exceptions=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import secrets
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 from typing import Any
 
 from .prefix_index import count_leading_blocks
@@ -60,8 +60,24 @@ def chained_block_hashes(
     return hashes
 
 
+class _HeldOrCached:
+    """A rank's blocks as routing sees them: cached, or about to be (held)."""
+
+    __slots__ = ("cached", "held")
+
+    def __init__(self, cached: Container[Hashable], held: Container[Hashable]):
+        self.cached, self.held = cached, held
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.cached or block in self.held
+
+
 class ApproximateIndex:
-    """Per rank, the block hashes of the prompts routed there, at most ``capacity_blocks``."""
+    """Per rank, the block hashes of the prompts routed there, at most ``capacity_blocks``:
+    those computed (``record``: a request that produced output, its prompt's and its
+    output's), and those held by requests placed there that have not yet produced any
+    (``hold``): routing counts both, so that a burst of one prefix goes to one rank;
+    ``matched_blocks(..., held=False)`` (PrefixQuery) only what was computed."""
 
     def __init__(self, ranks: int, capacity_blocks: int):
         if ranks < 1:
@@ -71,19 +87,29 @@ class ApproximateIndex:
         self.ranks: list[collections.OrderedDict[Hashable, None]] = [
             collections.OrderedDict() for _ in range(ranks)
         ]
+        # Per rank: block hash -> requests placed there, not yet computed, that hold it.
+        self.held: list[dict[Hashable, int]] = [{} for _ in range(ranks)]
 
     def matched_blocks(
-        self, hashes: Iterable[Hashable], max_blocks: int | None = None
+        self, hashes: Iterable[Hashable], max_blocks: int | None = None, held: bool = True
     ) -> list[int]:
         """Per rank: how many of ``hashes`` (a prompt's chained block hashes, in order) it
-        holds as a prefix. Stops at the first hash no rank holds, or at ``max_blocks``."""
+        holds as a prefix (``held``: counting the blocks of requests placed there not yet
+        computed). Stops at the first hash no rank holds, or at ``max_blocks``."""
         out = [0] * len(self.ranks)
-        count_leading_blocks(hashes, list(enumerate(self.ranks)), out, max_blocks)
+        if held:
+            holding = [
+                (rank, _HeldOrCached(blocks, self.held[rank]) if self.held[rank] else blocks)
+                for rank, blocks in enumerate(self.ranks)
+            ]
+        else:
+            holding = list(enumerate(self.ranks))
+        count_leading_blocks(hashes, holding, out, max_blocks)
         return out
 
     def record(self, rank: int, hashes: Sequence[Hashable]) -> None:
-        """A prompt with these block hashes was sent to ``rank``: its blocks are now the
-        rank's most recently used (first block most of all); the oldest go past capacity."""
+        """Blocks with these hashes were computed on ``rank``: they are now its most
+        recently used (first block most of all); the oldest go past capacity."""
         blocks = self.ranks[rank]
         for h in reversed(hashes):
             if h in blocks:
@@ -93,13 +119,30 @@ class ApproximateIndex:
         while len(blocks) > self.capacity_blocks:
             blocks.popitem(last=False)
 
+    def hold(self, rank: int, hashes: Iterable[Hashable]) -> None:
+        """A request placed on ``rank`` will compute these blocks (routing counts them)."""
+        held = self.held[rank]
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+
+    def release(self, rank: int, hashes: Iterable[Hashable]) -> None:
+        """A request that held these blocks produced output, or ended without any."""
+        held = self.held[rank]
+        for h in hashes:
+            count = held.get(h, 0) - 1
+            if count > 0:
+                held[h] = count
+            else:
+                held.pop(h, None)
+
     def clear(self) -> None:
         """Every rank's prefix cache was reset."""
-        for blocks in self.ranks:
+        for blocks, held in zip(self.ranks, self.held, strict=True):
             blocks.clear()
+            held.clear()
 
     def sizes(self) -> list[int]:
-        """Block hashes held per rank."""
+        """Computed block hashes held per rank."""
         return [len(blocks) for blocks in self.ranks]
 
 
@@ -108,20 +151,25 @@ class _Sequence:
     rank: int
     hashes: list[int]  # of its full blocks so far, the prompt's first
     tail: list[int]  # the tokens after the last full block
-    seed: Hashable
+    seed: Hashable | None  # None: its output is not followed (hashes not ours to chain)
+    held: list[Hashable]  # its prompt's blocks, held on its rank until it computes them
+    computed: bool = False  # it produced output: its prompt was computed
 
 
 class PlacedSequences:
-    """The requests placed with an ``ApproximateIndex``, followed as they generate: when one
-    ends, the blocks its output filled join its prompt's on its rank (a multi-turn
-    conversation's next prompt is the last one, its answer and a new message).
+    """The requests placed with an ``ApproximateIndex``, followed as they generate: a
+    request's prompt blocks are held on its rank until it produces output (then they are
+    recorded as computed; a request that ends with none, aborted while it waited, records
+    nothing), and when it ends the blocks its output filled join its prompt's on its rank
+    (a multi-turn conversation's next prompt is the last one, its answer and a new
+    message).
 
     vLLM caches a request's full blocks of computed tokens, which at its end are all its
     tokens but the last sampled one (never fed back): a block is hashed once a token follows
-    it, so at most one block of tokens is held per request. Requests are followed up to
-    ``max_blocks`` blocks (the routing's ``max_prefix_blocks``), at most ``kept`` at a time
-    (the oldest forgotten: a request whose end never came, such as one the engine
-    refused)."""
+    it, so at most one block of tokens is held per request. Output is followed up to
+    ``max_blocks`` blocks (the routing's ``max_prefix_blocks``), for at most ``kept``
+    requests at a time (the oldest forgotten: a request whose end never came, such as one
+    the engine refused)."""
 
     def __init__(
         self,
@@ -144,25 +192,38 @@ class PlacedSequences:
         request_id: str,
         rank: int,
         prompt: Sequence[int],
-        hashes: list[int],
-        seed: Hashable,
+        hashes: list[Hashable],
+        seed: Hashable | None,
     ) -> None:
         """Follow a request placed on ``rank``: its prompt and the prompt's block hashes
-        (``chained_block_hashes`` from ``seed``). A prompt whose hashes stopped at the
-        limit has nothing more to add, and is not followed."""
-        size = self.block_size
-        if size <= 0 or len(hashes) != len(prompt) // size or self._full(hashes):
+        (``chained_block_hashes`` from ``seed``; None: hashes of another kind, vLLM's, whose
+        output blocks are not followed), held on the rank until it computes them. A prompt
+        whose hashes stopped at the limit has no output blocks to add."""
+        if not 0 <= rank < len(self.index.ranks):
             return
-        tail = list(prompt[len(hashes) * size :])
-        self._sequences[request_id] = _Sequence(rank, hashes, tail, seed)
+        size = self.block_size
+        grows = (
+            seed is not None
+            and size > 0
+            and len(hashes) == len(prompt) // size
+            and not self._full(hashes)
+        )
+        tail = list(prompt[len(hashes) * size :]) if grows else []
+        self.index.hold(rank, hashes)
+        self._sequences[request_id] = _Sequence(
+            rank, list(hashes), tail, seed if grows else None, list(hashes)
+        )
         if len(self._sequences) > self.kept:
-            self._sequences.popitem(last=False)
+            _, oldest = self._sequences.popitem(last=False)
+            self._forget(oldest)
 
     def split(self, request_id: str, sample_ids: Sequence[str]) -> None:
         """A followed request became these samples, each generating on the same rank."""
         sequence = self._sequences.pop(request_id, None)
         if sequence is None:
             return
+        for _ in sample_ids[1:]:  # each sample holds the prompt until it computes it
+            self.index.hold(sequence.rank, sequence.held)
         for sample_id in sample_ids:
             self._sequences[sample_id] = dataclasses.replace(
                 sequence, hashes=list(sequence.hashes), tail=list(sequence.tail)
@@ -170,20 +231,29 @@ class PlacedSequences:
 
     def observe(self, outputs: Iterable[Any]) -> None:
         """One engine step's outputs (``request_id``, ``new_token_ids``, ``finish_reason``):
-        each followed request's new tokens join its tail (outputs of requests not followed
-        are skipped), and those that finished ``end``. Runs for every output of every step,
-        so it is one loop with nothing else in it."""
+        a followed request's first output records its prompt as computed, its new tokens
+        join its tail (outputs of requests not followed are skipped), and those that
+        finished ``end``. Runs for every output of every step, so it is one loop with
+        little else in it."""
         sequences, size = self._sequences, self.block_size
         for out in outputs:
             sequence = sequences.get(out.request_id)
             if sequence is None:
                 continue
-            tail = sequence.tail
-            tail += out.new_token_ids
-            if len(tail) > size:
-                self._hash_computed_blocks(sequence)
+            if not sequence.computed:
+                self._computed(sequence)
+            if sequence.seed is not None:
+                tail = sequence.tail
+                tail += out.new_token_ids
+                if len(tail) > size:
+                    self._hash_computed_blocks(sequence)
             if out.finish_reason is not None:
                 self.end(out.request_id)
+
+    def _computed(self, sequence: _Sequence) -> None:
+        sequence.computed = True
+        self.index.release(sequence.rank, sequence.held)
+        self.index.record(sequence.rank, sequence.held)
 
     def _hash_computed_blocks(self, sequence: _Sequence) -> None:
         """Hash the tail's blocks that a token follows (computed, so cached), keep the rest."""
@@ -197,17 +267,26 @@ class PlacedSequences:
         del tail[: full * size]
         if self._full(sequence.hashes):
             tail.clear()
+            sequence.seed = None  # nothing more to add
 
     def end(self, request_id: str) -> None:
-        """A followed request ended (finished or aborted): its blocks, prompt and output,
-        are recorded on its rank."""
+        """A followed request ended (finished or aborted): the blocks it computed, prompt
+        and output, are recorded on its rank; one that computed nothing records nothing."""
         sequence = self._sequences.pop(request_id, None)
-        if sequence is not None and 0 <= sequence.rank < len(self.index.ranks):
+        if sequence is None:
+            return
+        if sequence.computed:
             self.index.record(sequence.rank, sequence.hashes)
+        else:
+            self.index.release(sequence.rank, sequence.held)
+
+    def _forget(self, sequence: _Sequence) -> None:
+        if not sequence.computed:
+            self.index.release(sequence.rank, sequence.held)
 
     def clear(self) -> None:
         """Forget every request followed (the prefix caches were dropped)."""
         self._sequences.clear()
 
-    def _full(self, hashes: list[int]) -> bool:
+    def _full(self, hashes: list[Hashable]) -> bool:
         return self.max_blocks is not None and len(hashes) >= self.max_blocks

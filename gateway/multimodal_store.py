@@ -25,6 +25,7 @@ __all__ = [
     "ItemProblem",
     "MultimodalStore",
     "content_id",
+    "isolated_id",
     "tensor_bytes",
 ]
 
@@ -51,6 +52,14 @@ def content_id(item: MultimodalItem) -> str:
         t = (item.tensors or {})[name]
         digest.update(msgspec.msgpack.encode((name, t.dtype, t.shape)))
         digest.update(t.data)
+    return "eg-" + digest.hexdigest()
+
+
+def isolated_id(tenant: str, item_id: str) -> str:
+    """An item's id under cache isolation: its content id keyed by the client it came from,
+    so that no other client's request finds its encoder output cached (vLLM keys the
+    encoder cache, and an item's KV blocks, by this id)."""
+    digest = hashlib.blake2b(f"{tenant}\0{item_id}".encode(), digest_size=16)
     return "eg-" + digest.hexdigest()
 
 

@@ -79,7 +79,7 @@ from codec.bounds import decode_kv_params, kv_params_given
 
 from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_request_id
 from .errors import RequestRejected
-from .multimodal_store import ItemProblem, MultimodalStore
+from .multimodal_store import ItemProblem, MultimodalStore, isolated_id
 from .stop_sequences import StopMatcher, check_stop_sequences
 
 __all__ = ["GatewayLimits", "GatewayState", "Effects", "SessionTable", "Reply"]
@@ -707,14 +707,23 @@ class SessionTable:
             submitted = msgspec.structs.replace(submitted, multimodal=items)
         if submitted.options is not None and submitted.options.routing_key is not None:
             # Each client's keys are its own: no client can re-point or evict another's.
-            owner = client.key or client_id.hex()
+            # Hex (no ":"), whichever identity: the router reads the owner up to the first
+            # ":" (a Z85 CURVE key may hold one: two such keys would share one budget).
+            owner = (client.key.encode() if client.key else client_id).hex()
             options = msgspec.structs.replace(
                 submitted.options, routing_key=f"{owner}:{submitted.options.routing_key}"
             )
             submitted = msgspec.structs.replace(submitted, options=options)
+        resolved = submitted.multimodal  # as the store keeps them for resending by hash
         if self.cache_isolation:
             options = self._isolated(client, submitted.options)
             submitted = msgspec.structs.replace(submitted, options=options)
+            if resolved:  # the engine's encoder cache is keyed by the item's id: the tenant's
+                tenant = self._tenant(client)
+                items = [
+                    msgspec.structs.replace(i, hash=isolated_id(tenant, i.hash)) for i in resolved
+                ]
+                submitted = msgspec.structs.replace(submitted, multimodal=items)
         engine_request_id = f"{self._engine_id_prefix}{next(self._engine_ids)}"
         try:
             prepared = self._prepare(engine_request_id, submitted)
@@ -729,7 +738,7 @@ class SessionTable:
                 f"the gateway failed to prepare request {request_id!r}: {exc!r}",
             )
         if msg.multimodal and self.multimodal is not None:
-            self.multimodal.remember(client.session_id, msg.multimodal, submitted.multimodal)
+            self.multimodal.remember(client.session_id, msg.multimodal, resolved)
         n = len(prepared)
         samples = [
             _Sample(
@@ -774,9 +783,15 @@ class SessionTable:
         vLLM hashes the salt into every block, so no other key's request can hit (or
         probe) these blocks. A key is 40 characters and an id hex digits: the ``/`` after
         either ends it, so no client's own salt can pass for another client's."""
-        tenant = f"key:{client.key}" if client.key else f"id:{client.client_id.hex()}"
+        tenant = SessionTable._tenant(client)
         options = options or RequestOptions()
         return msgspec.structs.replace(options, cache_salt=f"{tenant}/{options.cache_salt or ''}")
+
+    @staticmethod
+    def _tenant(client: _Client) -> str:
+        """Whose cache a client's requests use under cache isolation: its CURVE key (its
+        routing id without CURVE)."""
+        return f"key:{client.key}" if client.key else f"id:{client.client_id.hex()}"
 
     def _multimodal_over(
         self, client: _Client, client_id: bytes, request_id: str, nbytes: int

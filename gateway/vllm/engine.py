@@ -258,6 +258,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         for core_request in prepared:
             try:
                 await self._client.add_request_async(core_request)
+                self._placed_by_engine_client(core_request)
             except EngineDeadError as exc:
                 raise EngineDead("the engine process is not running") from exc
             except Exception as exc:
@@ -346,6 +347,8 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         """vLLM's pause_scheduler: "abort", "wait" (returns once drained) or "keep"."""
         with _engine_death_named(self._engine_pids):
             await self._client.pause_scheduler_async(mode, clear_cache)
+        if clear_cache:  # vLLM reset every engine's prefix cache, running requests' too
+            self._prefix_cache_cleared()
 
     async def resume(self) -> None:
         """vLLM's resume_scheduler; refused (INVALID_REQUEST, vLLM's words) while a pause is

@@ -111,12 +111,23 @@ class PrefixRouting:
 
     # ------------------------------------------------------------ placing requests
 
+    def _reads_approximate(self) -> bool:
+        """Whether routing and PrefixQuery read the approximate index: ``--routing cache``
+        with ``--routing-index approximate``, or any other policy where the engines publish
+        no KV events (the events index, where they do: the operator's --kv-events-config)."""
+        router = self.router
+        if router is not None and router.config.policy == "cache":
+            return router.config.index == "approximate"
+        return self.prefix_index is None
+
     def _route(self, core_request: Any, routing_key: str | None) -> Decision | None:
-        """Choose the rank of an unpinned request (sets ``data_parallel_rank``)."""
+        """Choose the rank of an unpinned request (sets ``data_parallel_rank``). A request
+        the gateway does not place (one rank, or vLLM's balancer) is noted on the rank it
+        went to once submitted (``_placed_by_engine_client``)."""
         router = self.router
         if router is None or router.ranks == 1:
             return None
-        approximate = router.config.policy == "cache" and router.config.index == "approximate"
+        approximate = self._reads_approximate()
         if core_request.data_parallel_rank is not None:
             if approximate:  # its prompt will be cached where it was pinned: note it
                 _, placed = self._approximate_hashes(core_request)
@@ -125,6 +136,8 @@ class PrefixRouting:
         placed: list | None = None  # approximate: the prompt's block hashes, to record
         if router.config.policy != "cache":
             decision = router.choose(None, (), 0, 0, routing_key)
+            if decision.rank is not None and approximate:
+                _, placed = self._approximate_hashes(core_request)
         else:
             prompt_len = len(core_request.prompt_token_ids or ())
             if approximate:
@@ -148,18 +161,33 @@ class PrefixRouting:
         return decision
 
     def _record_placement(self, core_request: Any, rank: int, placed: list | None) -> None:
-        """Approximate index: the prompt with these block hashes was sent to ``rank``; its
-        generated blocks join them when it ends (``_follow_generation``)."""
-        index = self.approximate_index
-        if placed is None or index is None or not 0 <= rank < len(index.ranks):
+        """Approximate index: the prompt with these block hashes was sent to ``rank``,
+        held there until the request computes it; its generated blocks join them when it
+        ends (``_follow_generation``)."""
+        index, sequences = self.approximate_index, self.placed_sequences
+        if placed is None or index is None or sequences is None:
             return
-        if placed:
-            index.record(rank, placed)
-        sequences = self.placed_sequences
-        if sequences is not None and not core_request.mm_features:  # our hashes chain on
-            prompt = core_request.prompt_token_ids or ()
-            seed = _approximate_seed(index, core_request)
-            sequences.start(core_request.request_id, rank, prompt, placed, seed)
+        # The output's blocks chain on from the prompt's last hash (``_approximate_hashes``).
+        seed = _approximate_seed(index, core_request)
+        prompt = core_request.prompt_token_ids or ()
+        sequences.start(core_request.request_id, rank, prompt, placed, seed)
+
+    def _placed_by_engine_client(self, core_request: Any) -> None:
+        """A request submitted without a rank from the gateway (one rank, or vLLM's
+        balancer chose): noted on the rank it went to, for PrefixQuery."""
+        if self.router is None or not self._reads_approximate():
+            return
+        ranks = self._vllm_config.parallel_config.data_parallel_size
+        rank: int | None = 0
+        if ranks > 1:  # vLLM's DP client records the engine it chose for each request
+            if core_request.data_parallel_rank is not None:
+                return  # placed by the gateway (``_route``), and noted there
+            chosen = getattr(self._client, "reqs_in_flight", {}).get(core_request.request_id)
+            engines = getattr(self._client, "core_engines", [])
+            rank = engines.index(chosen) if chosen in engines else None
+        if rank is not None:
+            _, placed = self._approximate_hashes(core_request)
+            self._record_placement(core_request, rank, placed)
 
     def _follow_generation(self, outputs: Any) -> None:
         """Approximate index: each step's tokens of the requests it placed; an ended
@@ -219,9 +247,13 @@ class PrefixRouting:
         for sample_id in sample_ids[1:]:
             predicted[sample_id] = siblings
 
-    def _matched_blocks(self, core_request: Any) -> tuple[list[int | None] | None, int]:
-        if self.router is not None and self.router.config.index == "approximate":
-            matched, block_size, _ = self._approximate_matches(core_request)
+    def _matched_blocks(
+        self, core_request: Any, held: bool = True
+    ) -> tuple[list[int | None] | None, int]:
+        """Per rank, the prompt's leading blocks cached there (``held``: counting those
+        requests placed there will compute, as routing does), and the block size."""
+        if self._reads_approximate():
+            matched, block_size, _ = self._approximate_matches(core_request, held)
             return matched, block_size
         index, hasher = self.prefix_index, self._hasher
         if index is None or hasher is None:
@@ -235,28 +267,46 @@ class PrefixRouting:
         limit = self.router.config.max_prefix_blocks if self.router is not None else None
         return index.matched_blocks(hashes, limit), block_size
 
-    def _approximate_matches(self, core_request: Any) -> tuple[list[int | None], int, list]:
-        """Per rank, the prompt's leading blocks this gateway placed there; the block size;
-        the prompt's block hashes (``_approximate_hashes``), for ``record``."""
+    def _approximate_matches(
+        self, core_request: Any, held: bool = True
+    ) -> tuple[list[int | None], int, list]:
+        """Per rank, the prompt's leading blocks this gateway placed there (``held``: also
+        those not computed yet); the block size; the prompt's block hashes
+        (``_approximate_hashes``), for ``record``."""
         block_size, hashes = self._approximate_hashes(core_request)
-        matched: list[int | None] = [*self._approximate_setup().matched_blocks(hashes)]
+        index = self._approximate_setup()
+        matched: list[int | None] = [*index.matched_blocks(hashes, held=held)]
         return matched, block_size, hashes
 
     def _approximate_hashes(self, core_request: Any) -> tuple[int, list]:
         """The block size and the prompt's block hashes (up to ``max_prefix_blocks``) for the
-        approximate index: our own (``chained_block_hashes``), or vLLM's where multimodal
-        items are part of a block's."""
+        approximate index: our own (``chained_block_hashes``) for the blocks before its
+        first multimodal item, so that a text prompt and an image prompt sharing them
+        match there as vLLM reuses them; from the block holding that item on, each of
+        vLLM's (which hold the items' hashes) chained onto ours."""
         index = self._approximate_setup()
         block_size = self._vllm_config.cache_config.block_size or 0
         limit = self.router.config.max_prefix_blocks if self.router is not None else None
-        if core_request.mm_features:
-            if self._hasher is None:
-                self._hasher = PrefixHasher(self._vllm_config)
-            blocks = self._hasher.iter_block_hashes(core_request, block_size)
-            return block_size, list(itertools.islice(blocks, limit))
         seed = _approximate_seed(index, core_request)
         tokens = core_request.prompt_token_ids or ()
-        return block_size, chained_block_hashes(tokens, block_size, seed, limit)
+        if not core_request.mm_features or block_size <= 0:
+            return block_size, chained_block_hashes(tokens, block_size, seed, limit)
+        first_item = min(feature.mm_position.offset for feature in core_request.mm_features)
+        text = first_item // block_size * block_size
+        hashes = chained_block_hashes(tokens[:text], block_size, seed, limit)
+        if limit is not None and len(hashes) >= limit:
+            return block_size, hashes
+        if self._hasher is None:
+            self._hasher = PrefixHasher(self._vllm_config)
+        theirs = self._hasher.iter_block_hashes(core_request, block_size)
+        parent = hashes[-1] if hashes else hash(seed)
+        rest = limit - len(hashes) if limit is not None else None
+        for block in itertools.islice(
+            theirs, len(hashes), None if rest is None else len(hashes) + rest
+        ):
+            parent = hash((parent, block))
+            hashes.append(parent)
+        return block_size, hashes
 
     def _approximate_setup(self) -> ApproximateIndex:
         """The approximate index, sized by each rank's KV-cache blocks (known once the
@@ -331,11 +381,12 @@ class PrefixRouting:
         approximate = self.approximate_index
         return {
             "policy": router.config.policy,
-            "index": router.config.index if router.config.policy == "cache" else None,
+            # What routing (with ``cache``) and PrefixQuery read.
+            "index": "approximate" if self._reads_approximate() else "events",
             "decisions": dict(router.decisions),
             "index_blocks": (
                 approximate.sizes()
-                if approximate is not None and router.config.index == "approximate"
+                if approximate is not None and self._reads_approximate()
                 else [len(rank.blocks) for rank in ranks]
             ),
             "synced": [rank.synced for rank in ranks],
@@ -362,7 +413,7 @@ class PrefixRouting:
         """Per rank, the prompt's leading tokens cached there as vLLM would reuse them
         (whole blocks, at most ``len - 1`` tokens; None: that rank's index is unsynced
         or unchecked), and the block size."""
-        matched, block_size = self._matched_blocks(core_request)
+        matched, block_size = self._matched_blocks(core_request, held=False)
         ranks = self._vllm_config.parallel_config.data_parallel_size
         if matched is None or not block_size:
             return [None] * ranks, block_size

@@ -13,6 +13,8 @@ from codec import (
     ErrorCode,
     Generate,
     InitWeightTransfer,
+    MultimodalItem,
+    PrefixQuery,
     ProtocolError,
     RequestOptions,
     SamplingParams,
@@ -183,3 +185,15 @@ def test_kv_transfer_params_are_left_undecoded_by_a_gateway_then_decoded_bounded
     payload = encode(Generate("r", [1], options=RequestOptions(kv_transfer_params=fine)))
     assert decode_kv_params(decode_client(payload, BIG, BOUNDS).options.kv_transfer_params) == fine
     assert decode_kv_params(fine) is fine  # a message made in process passes as it is
+
+
+def test_bounded_types_keep_the_wire_types_rules():
+    """Mutants the suite let live: the bounded PrefixQuery prompt without the token-id
+    range (negative ids decoded), and a bounded item's ``is_embed`` made required."""
+    with pytest.raises(ProtocolError) as info:
+        decode_client(encode(PrefixQuery(3, [5, -1])), BIG, BOUNDS)
+    assert info.value.code is ErrorCode.INVALID_MESSAGE and info.value.call_id == 3
+    assert "PrefixQuery.prompt_token_ids[1]" in info.value.message
+    item = MultimodalItem("image", "h", 0, 2)  # no mask: every position takes embeddings
+    msg = decode_client(encode(Generate("r", [1, 2], multimodal=[item])), BIG, BOUNDS)
+    assert msg.multimodal[0].is_embed is None

@@ -148,7 +148,10 @@ def test_following_stops_at_the_block_limit_and_forgets_the_oldest_past_kept():
     seed = ("seed",)
     capped = [1, 2, 3, 4, 5, 6, 7, 8]  # 4 blocks, hashed to the limit of 3
     sequences.start("capped", 0, capped, chained_block_hashes(capped, 2, seed, 3), seed)
-    assert len(sequences) == 0  # nothing more to add
+    _step(sequences, "capped", [9, 10, 11, 12])  # its prompt computed; no output followed
+    sequences.end("capped")
+    assert index.sizes() == [3]
+    index.clear()
     prompt = [1, 2, 3]
     sequences.start("a", 0, prompt, chained_block_hashes(prompt, 2, seed, 3), seed)
     _step(sequences, "a", list(range(10, 20)))
@@ -177,4 +180,69 @@ def test_a_steps_outputs_extend_their_requests_and_a_finish_records_them():
     sequences.observe([Output(request_id="a", new_token_ids=[6], finish_reason="length")])
     assert len(sequences) == 1  # "b" goes on
     answered = chained_block_hashes([1, 2, 3, 4, 5, 6, 7], 2, seed)
-    assert index.matched_blocks(answered) == [2, 0]  # 5 of 6 tokens computed: 2 blocks
+    assert index.matched_blocks(answered) == [2, 1]  # 5 of 6 tokens computed: 2 blocks
+    # "b" produced output: its prompt's block was computed on rank 1.
+
+
+def test_a_placed_prompt_is_held_for_routing_and_cached_only_once_computed():
+    """Until a request produces output its prompt's blocks are held on its rank: routing
+    counts them (a burst of one prefix goes to one rank), PrefixQuery does not; a request
+    aborted before it ran records nothing (issue 67 item 4)."""
+    index = ApproximateIndex(2, capacity_blocks=100)
+    sequences, seed = _placed(index, 2)
+    prompt = [1, 2, 3, 4, 5]
+    hashes = chained_block_hashes(prompt, 2, seed)
+    sequences.start("a", 1, prompt, hashes, seed)
+    assert index.matched_blocks(hashes) == [0, 2]
+    assert index.matched_blocks(hashes, held=False) == [0, 0]
+    sequences.end("a")  # aborted while it waited: nothing computed
+    assert index.matched_blocks(hashes) == [0, 0] and index.held == [{}, {}]
+    sequences.start("b", 1, prompt, hashes, seed)
+    sequences.start("c", 1, prompt, hashes, seed)  # the same prompt, twice held
+    _step(sequences, "b", [6])
+    assert index.matched_blocks(hashes, held=False) == [0, 2]
+    sequences.end("c")  # c never ran, but b computed the blocks: still cached
+    assert index.matched_blocks(hashes, held=False) == [0, 2]
+    assert index.held == [{}, {}]
+    # Samples each hold the prompt until each computes it or ends.
+    other = [9, 8, 7]
+    other_hashes = chained_block_hashes(other, 2, seed)
+    sequences.start("n", 0, other, other_hashes, seed)
+    sequences.split("n", ["n-0", "n-1"])
+    assert len(sequences) == 3  # b, n-0, n-1: the parent is gone
+    sequences.end("n-0")
+    assert index.matched_blocks(other_hashes) == [1, 0]  # n-1 still holds it
+    sequences.end("n-1")
+    assert index.matched_blocks(other_hashes) == [0, 0]
+
+
+def test_a_request_forgotten_past_kept_releases_what_it_held():
+    index = ApproximateIndex(1, capacity_blocks=100)
+    sequences = PlacedSequences(index, 2, kept=1)
+    seed = ("seed",)
+    first = chained_block_hashes([1, 2], 2, seed)
+    sequences.start("old", 0, [1, 2], first, seed)
+    sequences.start("new", 0, [3, 4], chained_block_hashes([3, 4], 2, seed), seed)
+    assert index.matched_blocks(first) == [0]  # "old" forgotten: its hold released
+
+
+def test_hashing_stops_at_the_limit_and_a_long_output_stays_within_it():
+    """chained_block_hashes with limit 0 hashes nothing; a followed request's hashes never
+    pass max_blocks however long its output, and its tail is cut once hashed (bounded)."""
+    assert chained_block_hashes([1, 2, 3, 4], 2, ("s",), limit=0) == []
+    index = ApproximateIndex(1, capacity_blocks=1000)
+    sequences = PlacedSequences(index, 2, max_blocks=4)
+    seed = ("seed",)
+    prompt = [1, 2, 3]
+    sequences.start("r", 0, prompt, chained_block_hashes(prompt, 2, seed, 4), seed)
+    followed = sequences._sequences["r"]
+    for step in range(50):
+        _step(sequences, "r", [10 + step, 11 + step, 12 + step])
+        assert len(followed.hashes) <= 4
+        assert len(followed.tail) <= 2 + 3  # at most a block waiting plus a step's tokens
+    sequences.end("r")
+    assert index.sizes() == [4]
+    # The chain is the tokens' own: the next turn matches exactly the blocks computed.
+    tokens = prompt + [t for step in range(50) for t in (10 + step, 11 + step, 12 + step)]
+    assert index.matched_blocks(chained_block_hashes(tokens, 2, seed)) == [4]
+    assert index.matched_blocks(chained_block_hashes(tokens[:7] + [0], 2, seed)) == [3]

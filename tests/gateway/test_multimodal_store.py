@@ -436,3 +436,26 @@ def test_tensor_bytes_in_flight_are_bounded_per_client_and_in_all():
     assert h.take(b"c2") == [] and len(h.submitted) == 3
     h.send(b"c1", Generate("r5", PROMPT, multimodal=[bare("a"), bare("b", 6)]))  # 8 + 32 > 40
     assert h.take(b"c1")[0].limit == "max_multimodal_bytes_in_flight"  # 8 + 24 + 32 > 56
+
+
+def test_under_cache_isolation_an_items_id_is_each_clients_own():
+    """Issue 67 item 7: vLLM keys the encoder cache (and an item's KV blocks) by the item's
+    id, so under --cache-isolation the id the engine sees is keyed by the client: equal
+    images from two clients get two ids, one client's two requests one; resending by hash
+    still works, and without isolation equal tensors share one id."""
+    h = _vlm_table()
+    for client in (b"c1", b"c2"):
+        h.send(client, Hello(1))
+        h.take(client)
+    h.send(b"c1", Generate("r0", PROMPT, multimodal=[item("h1")]))
+    h.send(b"c2", Generate("r0", PROMPT, multimodal=[item("h2")]))
+    shared = {request.multimodal[0].hash for request in h.prepared}
+    assert len(shared) == 1  # isolation off: the content id, whoever sent it
+    h.table.cache_isolation = True
+    h.send(b"c1", Generate("r1", PROMPT, multimodal=[item("h1")]))
+    h.send(b"c1", Generate("r2", PROMPT, multimodal=[bare("h1", offset=6)]))  # by hash
+    h.send(b"c2", Generate("r1", PROMPT, multimodal=[item("h2")]))
+    assert all(h.take(client) == [] for client in (b"c1", b"c2"))
+    first, again, other = (request.multimodal[0].hash for request in h.prepared[2:])
+    assert first == again and first != other
+    assert shared.isdisjoint({first, other})

@@ -200,3 +200,19 @@ def test_batches_from_before_a_reset_cannot_undo_its_clear():
     index.reset(1, restarted=True)  # a restarted engine sends no clear of ours
     index.apply(1, 0, batch(stored([9]), rank=1))
     assert index.matched_blocks([9]) == [0, 1]
+
+
+def test_at_most_eight_root_blocks_are_kept_and_a_disconnected_rank_matches_nothing():
+    """Mutants the suite let live (issue 67): the bound of 8 on the hash check's samples
+    (every prompt's first block would be kept for good), and ``connected`` ignored (a
+    rank whose feed is down would be routed on blocks it may have evicted since)."""
+    index = PrefixIndex(2)
+    for seq in range(20):
+        index.apply(0, seq, batch(stored([100 + seq], tokens=[seq] * 4)))
+    assert len(index.ranks[0].root_blocks_seen) == 8
+    index.apply(1, 0, batch(stored([100]), rank=1))
+    assert index.matched_blocks([100]) == [1, 1]
+    index.ranks[1].connected = False
+    assert index.matched_blocks([100]) == [1, None]
+    index.ranks[0].connected = False
+    assert index.matched_blocks([100]) == [None, None]

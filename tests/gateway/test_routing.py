@@ -284,3 +284,177 @@ async def test_a_sleep_that_drops_the_kv_cache_empties_the_approximate_index():
     await engine.sleep(1)
     assert engine.approximate_index.sizes() == [0, 0] and slept == [0, 1]
     assert len(engine.placed_sequences) == 0  # its blocks so far are gone with the cache
+
+
+def _fake_core_request(request_id, prompt, rank=None, items=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        data_parallel_rank=rank,
+        mm_features=[
+            SimpleNamespace(mm_position=SimpleNamespace(offset=offset)) for offset in items
+        ],
+        lora_request=None,
+        cache_salt=None,
+        sampling_params=None,
+        pooling_params=None,
+    )
+
+
+def _approximate_routing(ranks, policy="load", chosen=None):
+    """A PrefixRouting over ``ranks`` ranks publishing no KV events, started with
+    ``policy``; ``chosen``: request id -> the rank vLLM's balancer sent it to."""
+    from types import SimpleNamespace
+
+    from gateway.vllm.prefix_routing import PrefixRouting
+
+    routing = PrefixRouting()
+    routing._vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_size=ranks),
+        cache_config=SimpleNamespace(block_size=BLOCK, num_gpu_blocks=64 * ranks),
+    )
+    engines = [f"engine-{r}" for r in range(ranks)]
+    routing._client = SimpleNamespace(
+        get_kv_event_sources=lambda: {},
+        core_engines=engines,
+        reqs_in_flight={rid: engines[rank] for rid, rank in (chosen or {}).items()},
+    )
+    routing._init_routing()
+    routing._start_routing(RoutingConfig(policy))
+    return routing
+
+
+def _served(routing, core_request, output_ids=(1,)):
+    """As the engine does: route, submit (note the placement), one step's output, its end."""
+    from types import SimpleNamespace
+
+    routing._route(core_request, None)
+    routing._placed_by_engine_client(core_request)
+    routing._follow_generation(
+        [SimpleNamespace(request_id=core_request.request_id, new_token_ids=list(output_ids),
+                         finish_reason="length")]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["load", "round-robin", "cache"])
+def test_a_single_engine_gateway_answers_prefix_query_from_what_it_served(policy):
+    """Issue 67 item 3: with one rank nothing routes, but the index PrefixQuery reads is
+    filled (what a GatewayPool with policy="cache" needs of single-engine gateways); a
+    request only placed, not yet computed, is not reported."""
+    routing = _approximate_routing(1, "load" if policy == "cache" else policy)
+    prompt = list(range(3 * BLOCK + 5))
+    placed = _fake_core_request("a", prompt)
+    routing._route(placed, None)
+    routing._placed_by_engine_client(placed)
+    assert routing.prefix_matches(_fake_core_request("q", prompt))[0] == [0]
+    _served(routing, _fake_core_request("b", prompt))
+    assert routing.prefix_matches(_fake_core_request("q", prompt))[0] == [3 * BLOCK]
+    assert routing.routing_stats()["index"] == "approximate"
+
+
+def test_vllms_balancer_placements_are_noted_on_the_rank_it_chose():
+    """``--routing load`` over two ranks: vLLM picks the rank; the gateway reads its choice
+    (its DP client's reqs_in_flight) and fills PrefixQuery's index there."""
+    routing = _approximate_routing(2, "load", chosen={"a": 1})
+    prompt = list(range(2 * BLOCK + 1))
+    _served(routing, _fake_core_request("a", prompt))
+    assert routing.prefix_matches(_fake_core_request("q", prompt))[0] == [0, 2 * BLOCK]
+
+
+def test_load_with_the_operators_kv_events_reads_the_events_index():
+    """``--routing load`` where the engines publish KV events (the operator's own
+    --kv-events-config) runs the events feed: PrefixQuery reads it, not an empty
+    approximate index."""
+    from gateway.prefix_index import PrefixIndex
+
+    routing = _approximate_routing(2, "load")
+    assert routing._reads_approximate()
+    routing.prefix_index = PrefixIndex(2)  # what _start_routing sets up with events on
+    assert not routing._reads_approximate()
+    assert routing.routing_stats()["index"] == "events"
+
+
+def test_a_text_prompt_matches_the_text_blocks_an_image_prompt_shares():
+    """Issue 67 item 5: the blocks before a prompt's first item are hashed as a text
+    prompt's, so a text prompt sharing them matches there (vLLM reuses them); from the
+    item's block on, vLLM's hashes (which hold the item) chain on."""
+    routing = _approximate_routing(1)
+
+    class Hasher:  # vLLM's hashes stand-in: a block's prefix and the items it holds
+        def iter_block_hashes(self, core_request, block_size):
+            tokens, items = core_request.prompt_token_ids, core_request.mm_features
+            offsets = [f.mm_position.offset for f in items]
+            for start in range(0, len(tokens) - block_size + 1, block_size):
+                held = [o for o in offsets if start <= o < start + block_size]
+                yield ("vllm", tuple(tokens[: start + block_size]), *held)
+
+    routing._hasher = Hasher()
+    shared = list(range(4 * BLOCK))
+    image = _fake_core_request("i", shared + [7] * (2 * BLOCK), items=[4 * BLOCK + 3])
+    _served(routing, image)
+    text = _fake_core_request("q", shared + [9] * BLOCK)
+    assert routing.prefix_matches(text)[0] == [4 * BLOCK]
+    again = _fake_core_request("q2", shared + [7] * (2 * BLOCK), items=[4 * BLOCK + 3])
+    assert routing.prefix_matches(again)[0] == [5 * BLOCK]  # len - 1: 5 of 6 blocks reusable
+    other_item = _fake_core_request("q3", shared + [7] * (2 * BLOCK), items=[4 * BLOCK + 9])
+    assert routing.prefix_matches(other_item)[0] == [4 * BLOCK]
+
+
+async def test_a_pause_that_clears_the_cache_empties_the_approximate_index():
+    """Issue 67 item 2: vLLM resets every engine's prefix cache (running requests' too) at
+    Pause(clear_cache=True); the approximate index forgets as at ResetPrefixCache. A pause
+    that keeps the cache keeps it."""
+    from types import SimpleNamespace
+
+    from gateway.vllm.engine import VllmEngine
+
+    paused = []
+
+    async def pause_scheduler_async(mode, clear_cache):
+        paused.append((mode, clear_cache))
+
+    engine = VllmEngine.__new__(VllmEngine)
+    routing = _approximate_routing(2, "round-robin")
+    engine.__dict__.update(routing.__dict__)
+    engine._engine_pids = []
+    engine._client = SimpleNamespace(pause_scheduler_async=pause_scheduler_async)
+    prompt = list(range(2 * BLOCK + 1))
+    _served(engine, _fake_core_request("a", prompt))
+    held = engine.prefix_matches(_fake_core_request("q", prompt))[0]
+    assert sorted(held) == [0, 2 * BLOCK]
+    await engine.pause("keep", False)
+    assert engine.prefix_matches(_fake_core_request("q", prompt))[0] == held
+    await engine.pause("keep", True)
+    assert engine.prefix_matches(_fake_core_request("q", prompt))[0] == [0, 0]
+    assert engine.approximate_index.sizes() == [0, 0] and paused[-1] == ("keep", True)
+
+
+def test_equal_costs_go_to_the_less_loaded_rank():
+    """A mutant the suite let live: cost ties broken by load. 16 blocks, rank 0 holding 2
+    and one request busier, rank 1 holding 1: both cost -1; the less loaded takes it."""
+    router = cache_router()
+    decision = router.choose([2, 1], [1.0, 0.0], 16 * BLOCK + 1, BLOCK)
+    assert (decision.rank, decision.reason) == (1, "matched")
+
+
+def test_a_reused_key_is_the_most_recently_used_and_owners_without_keys_are_dropped():
+    """Mutants the suite let live: sticky keys not moved to the end on reuse (a key in use
+    was pushed out first), and owners left in the table once all their keys were pushed
+    out (unbounded)."""
+    router = cache_router(sticky_keys=2)
+    for key in ("o1:a", "o2:b", "o1:a", "o3:c"):
+        router.choose([0, 0], [0.0, 0.0], 40, BLOCK, routing_key=key)
+    assert list(router._sticky) == ["o1:a", "o3:c"]  # "o2:b", the least recently used, went
+    assert set(router._owned) == {"o1", "o3"}
+    for i in range(100):
+        router.choose([0, 0], [0.0, 0.0], 40, BLOCK, routing_key=f"owner{i}:k")
+    assert len(router._owned) == 2 and len(router._sticky) == 2
+
+
+def test_a_block_size_of_zero_falls_back_to_load():
+    """No index block size yet (no event seen): routed by load, never a division by 0."""
+    router = cache_router()
+    decision = router.choose([1, 0], [0.0, 3.0], 40, 0)
+    assert (decision.rank, decision.reason) == (0, "fallback")

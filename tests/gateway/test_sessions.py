@@ -412,6 +412,34 @@ def test_routing_keys_reach_the_engine_as_each_clients_own():
     assert seen == [f"{A.hex()}:ep:1", f"{B.hex()}:ep:1"]
 
 
+def test_routing_key_owners_are_each_clients_own_even_for_keys_with_a_colon():
+    """Issue 67 item 6: CURVE keys (Z85) may hold ":"; two that start with it once shared
+    one owner in the router, and one client's keys pushed out the other's."""
+    from codec import RequestOptions
+    from gateway.routing import Router, RoutingConfig
+
+    h = TableHarness()
+    seen = []
+    prepare = h.table._prepare
+
+    def recording(engine_id, msg):
+        seen.append(msg.options.routing_key)
+        return prepare(engine_id, msg)
+
+    h.table._prepare = recording
+    keys = {A: ":" + "a" * 39, B: ":" + "b" * 39}
+    for client, key in keys.items():
+        h.apply(h.table.on_message(client, Hello(1, "t", 1.0), h.now, key))
+        for i in range(3):
+            options = RequestOptions(routing_key=f"ep:{i}")
+            h.apply(h.table.on_message(client, Generate(f"r{i}", [5], options=options), h.now, key))
+    router = Router(2, RoutingConfig("cache", sticky_keys_per_client=3))
+    for key in seen:
+        router.choose([0, 0], [0.0, 0.0], 40, 16, routing_key=key)
+    assert len(router._owned) == 2 and len(router._sticky) == 6  # none pushed out
+    assert seen[0].startswith(keys[A].encode().hex() + ":ep:0")
+
+
 def test_cache_isolation_gives_each_client_its_own_salt_on_generates_and_queries():
     """Issue 51 item 16: under --cache-isolation the gateway, not the client, picks the
     salt's first part: the CURVE key (the routing id without CURVE), then the client's own
