@@ -9,7 +9,8 @@ every connected gateway how much of the prompt its engines hold in their prefix 
 tokens are cached, unless that gateway has more than ``1.5 * least + 8`` of this pool's
 requests in flight (then the least loaded takes it; the same balance guard as a gateway's
 ``--routing cache``). A gateway that routes by cache itself picks the rank; to one that
-does not, the request goes pinned to the rank holding the prefix.
+does not (one rank, ``--routing load`` or ``round-robin``: it still answers PrefixQuery
+from where its requests went), the request goes pinned to the rank holding the prefix.
 
 A gateway that is gone is skipped until its client has a session again; requests
 already in flight on it fail with the retryable SessionLost (as with one AsyncClient):

@@ -5,8 +5,9 @@ gateway records the block hashes of each prompt it sends to a rank and counts th
 that rank's KV-cache blocks, the least recently routed dropped first. The engines publish
 nothing, so neither their busy loops nor the gateway pay for events, and nothing has to
 reach the gateway from the ranks; the price is that it is a guess. It holds the prompts'
-blocks and, once a request ends (``PlacedSequences``), the blocks its generated tokens
-filled, so that a conversation's next turn matches its previous turn whole; it sees
+blocks (held for routing from placement, cached once the request produced output) and,
+once a request ends (``PlacedSequences``), the blocks its generated tokens filled, so that
+a conversation's next turn matches its previous turn whole; it sees
 neither other gateways' placements nor vLLM's own evictions and preemptions: under memory
 pressure it can predict a hit that vLLM no longer holds. Its predictions are still checked
 against vLLM's ``num_cached_tokens``, as the events index's are.

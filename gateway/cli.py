@@ -295,10 +295,11 @@ def add_gateway_args(g: argparse._ActionsContainer) -> None:
         choices=ROUTING_POLICIES,
         default=None,
         help="where an unpinned request goes: cache (the rank holding most of its prompt in"
-        " the prefix cache, from vLLM's KV events, with a balance guard; the default with 2+"
-        " data-parallel ranks), load (vLLM's balancer; the default with one rank, and where"
-        " cache cannot run: prefix caching off, a rank without KV events; logged) or"
-        " round-robin (bench/results/routing.md)",
+        " the prefix cache, as --routing-index reads it, with a balance guard; the default"
+        " with 2+ data-parallel ranks), load (vLLM's balancer; the default with one rank, and"
+        " where cache cannot run: prefix caching off, a rank without KV events under the"
+        " events index; logged) or round-robin (bench/results/routing.md). Every policy"
+        " answers PrefixQuery",
     )
     g.add_argument(
         "--routing-index",

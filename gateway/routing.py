@@ -18,11 +18,14 @@ data-parallel ranks, ``load`` with one, and ``load`` where ``cache`` cannot run,
   prompt, a request with a ``routing_key`` goes where that key's last request went
   (sticky), else to the least loaded rank, which the key then sticks to. **Balance
   guard**: if the chosen rank's load exceeds ``guard_ratio * min_load + guard_slack``,
-  the least loaded rank takes the request instead. If any rank's index is unsynced (a
-  gap being refilled, a restart) or the hashes failed their check, the request goes by
-  load alone (``fallback``).
+  the least loaded rank takes the request instead. A rank whose index is unsynced (a gap
+  being refilled, a restart) counts as holding none of the prompt, so the other ranks'
+  matches still place requests; if every rank's is unsynced, or the hashes failed their
+  check, the request goes by load alone (``fallback``).
 
-Where ``cache`` reads its matches (``--routing-index``, default ``default_routing_index``):
+Where ``cache`` reads its matches (``--routing-index``, default ``default_routing_index``;
+the other policies keep an index too, for PrefixQuery: the events one where the engines
+publish KV events, else the approximate one):
 ``approximate`` (one gateway's default), the prompts this gateway itself placed on each rank
 and the blocks their outputs filled (``ApproximateIndex``: no events, so no cost on the
 engines, but a guess); or ``events`` (the default of a group of gateways, and of

@@ -40,6 +40,21 @@ def _sentencepiece_file() -> Path:
     )
 
 
+def write_gptsw3_tokenizer(folder: Path) -> None:
+    """A slow SentencePiece tokenizer whose byte-fallback pieces decode to bytes, so that a
+    character split over them reads U+FFFD until its last byte (GPT-SW3's)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(_sentencepiece_file(), folder / "spiece.model")
+    config = {
+        "tokenizer_class": "GPTSw3Tokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def write_sentencepiece_tokenizer(folder: Path, *, slow: bool) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(_sentencepiece_file(), folder / "tokenizer.model")
@@ -77,7 +92,8 @@ def write_wordpiece_tokenizer(folder: Path) -> None:
 
 
 def ensure_tokenizer(kind: str, cache_dir: Path | None = None) -> Path:
-    """The folder of tokenizer ``kind``: ``bpe``, ``sp-fast``, ``sp-slow`` or ``wordpiece``."""
+    """The folder of tokenizer ``kind``: ``bpe``, ``sp-fast``, ``sp-slow``, ``gptsw3`` or
+    ``wordpiece``."""
     path = (cache_dir or default_cache_dir()) / f"tokenizer-{kind}-{_VERSION}"
     if (path / "engine-gateway.json").exists():
         return path
@@ -87,6 +103,8 @@ def ensure_tokenizer(kind: str, cache_dir: Path | None = None) -> Path:
         make_byte_level_bpe(1024).save_pretrained(tmp)
     elif kind == "wordpiece":
         write_wordpiece_tokenizer(tmp)
+    elif kind == "gptsw3":
+        write_gptsw3_tokenizer(tmp)
     else:
         write_sentencepiece_tokenizer(tmp, slow=kind == "sp-slow")
     (tmp / "engine-gateway.json").write_text(json.dumps({"version": _VERSION}))

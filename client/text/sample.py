@@ -13,7 +13,7 @@ from codec import Finished, FinishReason, Logprobs, RequestOutput
 
 from .detokenizer import new_token_decoder
 from .stop_strings import TextParams, check_stop_strings
-from .tokenizer import TextTokenizer
+from .tokenizer import TextError, TextTokenizer
 
 __all__ = ["SampleText", "TextOutput"]
 
@@ -145,7 +145,13 @@ class SampleText:
         decode_next = self._decoder.decode_next
         for token_id in new_ids:
             self.token_ids.append(token_id)
-            self.text += decode_next(token_id)
+            try:
+                self.text += decode_next(token_id)
+            except Exception as exc:  # vLLM's detokenizer raises here too: the sample is over
+                raise TextError(
+                    f"token id {token_id} cannot be detokenized by this tokenizer"
+                    f" ({type(exc).__name__}: {exc})"
+                ) from exc
             if offsets is not None:
                 offsets.append(len(self.text))
         if skipped is not None:

@@ -109,7 +109,11 @@ class TextStream:
             sample = self._samples[out.index]
             if sample.done:
                 continue  # a sample a stop string ended, still running in the engine
-            result = sample.add(out)
+            try:
+                result = sample.add(out)
+            except TextError as exc:  # the engine would generate on for nobody: abort it
+                await self.aclose()
+                raise TextError(f"request {self.request_id!r}: {exc}") from exc
             if result.done:
                 self._left -= 1
                 if not self._left:

@@ -3,6 +3,7 @@ properties the detokenizers read every token computed once."""
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,15 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Text
     folder = Path(path)
     if not folder.is_dir():
         raise TextError(f"tokenizer path {str(path)!r} is not a folder")
+    mistral = _mistral_tokenizer_files(folder)
+    if mistral:
+        raise TextError(
+            f"{str(path)!r} holds a Mistral-format model ({', '.join(mistral)}): vLLM's"
+            " tokenizer mode auto decodes it with mistral-common's tokenizer, whose text"
+            " differs from the Hugging Face files beside it, and client.text reads only the"
+            " latter; serve it with --tokenizer-mode hf to use those, or detokenize it with"
+            " mistral-common yourself"
+        )
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # pragma: no cover - the extra is not installed
@@ -80,8 +90,20 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Text
             local_files_only=True,
             truncation_side="left",
         )
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise TextError(f"no tokenizer could be loaded from {str(path)!r}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - any file there may be malformed in any way
+        raise TextError(
+            f"no tokenizer could be loaded from {str(path)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     if isinstance(hf, bool) or not hasattr(hf, "convert_ids_to_tokens"):
         raise TextError(f"{str(path)!r} holds no tokenizer")
     return TextTokenizer(hf)
+
+
+def _mistral_tokenizer_files(folder: Path) -> list[str]:
+    """The files for which vLLM's tokenizer mode ``auto`` takes mistral-common's tokenizer
+    (``is_mistral_model_repo``: a ``consolidated*.safetensors``, and a ``tekken.json`` or
+    ``tokenizer.model.v*``), or none."""
+    names = sorted(entry.name for entry in folder.iterdir())
+    weights = fnmatch.filter(names, "consolidated*.safetensors")
+    tokenizers = fnmatch.filter(names, "tekken.json") + fnmatch.filter(names, "tokenizer.model.v*")
+    return weights[:1] + tokenizers if weights and tokenizers else []
