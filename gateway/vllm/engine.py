@@ -258,7 +258,6 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         for core_request in prepared:
             try:
                 await self._client.add_request_async(core_request)
-                self._placed_by_engine_client(core_request)
             except EngineDeadError as exc:
                 raise EngineDead("the engine process is not running") from exc
             except Exception as exc:
@@ -269,6 +268,7 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
                     f"the engine client could not submit request {core_request.request_id!r}:"
                     f" {exc!r}",
                 ) from exc
+            self._placed_by_engine_client(core_request)
 
     async def abort_requests(self, engine_request_ids: Sequence[str]) -> None:
         if engine_request_ids and not self._client.resources.engine_dead:

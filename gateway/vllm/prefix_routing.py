@@ -125,9 +125,14 @@ class PrefixRouting:
         the gateway does not place (one rank, or vLLM's balancer) is noted on the rank it
         went to once submitted (``_placed_by_engine_client``)."""
         router = self.router
-        if router is None or router.ranks == 1:
+        if router is None:
             return None
         approximate = self._reads_approximate()
+        if router.ranks == 1:  # nothing to choose; noted before it is sent (outputs follow)
+            if approximate:
+                _, placed = self._approximate_hashes(core_request)
+                self._record_placement(core_request, 0, placed)
+            return None
         if core_request.data_parallel_rank is not None:
             if approximate:  # its prompt will be cached where it was pinned: note it
                 _, placed = self._approximate_hashes(core_request)
@@ -173,18 +178,17 @@ class PrefixRouting:
         sequences.start(core_request.request_id, rank, prompt, placed, seed)
 
     def _placed_by_engine_client(self, core_request: Any) -> None:
-        """A request submitted without a rank from the gateway (one rank, or vLLM's
+        """A request submitted over several ranks without one from the gateway (vLLM's
         balancer chose): noted on the rank it went to, for PrefixQuery."""
-        if self.router is None or not self._reads_approximate():
+        router = self.router
+        if router is None or router.ranks == 1 or core_request.data_parallel_rank is not None:
+            return  # noted by ``_route``
+        if not self._reads_approximate():
             return
-        ranks = self._vllm_config.parallel_config.data_parallel_size
-        rank: int | None = 0
-        if ranks > 1:  # vLLM's DP client records the engine it chose for each request
-            if core_request.data_parallel_rank is not None:
-                return  # placed by the gateway (``_route``), and noted there
-            chosen = getattr(self._client, "reqs_in_flight", {}).get(core_request.request_id)
-            engines = getattr(self._client, "core_engines", [])
-            rank = engines.index(chosen) if chosen in engines else None
+        # vLLM's DP client records the engine it chose for each request.
+        chosen = getattr(self._client, "reqs_in_flight", {}).get(core_request.request_id)
+        engines = getattr(self._client, "core_engines", [])
+        rank = engines.index(chosen) if chosen in engines else None
         if rank is not None:
             _, placed = self._approximate_hashes(core_request)
             self._record_placement(core_request, rank, placed)

@@ -368,6 +368,14 @@ async def test_the_approximate_index_routes_a_shared_prefix_by_what_the_gateway_
 
         assert index.sizes() == [0, 0]
         assert (await client.prefix_query(extended)).matched_tokens == [0, 0]
+        # Pause with clear_cache: vLLM resets every rank's prefix cache; so does the index.
+        await client.complete(pinned, GREEDY, options=RequestOptions(data_parallel_rank=0))
+        assert (await client.prefix_query(pinned)).matched_tokens == [2 * BLOCK, 0]
+        await client.pause("keep", clear_cache=True)
+        await client.resume()
+        assert (await client.prefix_query(pinned)).matched_tokens == [0, 0]
+        again = await client.complete(pinned, GREEDY, options=RequestOptions(data_parallel_rank=0))
+        assert again.cached_tokens == 0  # as vLLM reports it
     finally:
         engine.router = events_router
 
