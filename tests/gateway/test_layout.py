@@ -131,3 +131,38 @@ def test_the_benchmark_harness_imports_no_probe():
     index = (ROOT / "bench" / "probes" / "README.md").read_text()
     probes = {p.stem for p in (ROOT / "bench" / "probes").glob("*.py") if p.stem != "__init__"}
     assert probes and all(f"| `{probe}` |" in index for probe in probes)
+
+
+# The session table's rooms (gateway/sessions.py's docstring): one entry point, each concern
+# in a module of its own, none of them a room every feature has to read whole.
+SESSION_TABLE_MODULES = (
+    "sessions",
+    "session_model",
+    "admission",
+    "request_outputs",
+    "session_queries",
+    "limits",
+)
+MAX_GATEWAY_FILE_LINES = 900
+MAX_SESSION_METHOD_LINES = 60
+
+
+def test_no_gateway_file_outgrows_its_bound():
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "gateway").rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_GATEWAY_FILE_LINES
+    }
+    assert too_long == {}
+
+
+def test_no_function_of_the_session_tables_modules_outgrows_its_bound():
+    too_long = {}
+    for module in SESSION_TABLE_MODULES:
+        tree = ast.parse((ROOT / "gateway" / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_SESSION_METHOD_LINES:
+                    too_long[f"{module}.{node.name}"] = lines
+    assert too_long == {}

@@ -565,72 +565,107 @@ def test_known_runs(run):
 
 # ---------------------------------------------------------------- planted bugs
 
+# Each: the module of the session table it is planted in, and the text it replaces.
 MUTANTS = {
     "non-stream tokens lost": (
-        "        sample.token_ids.extend(new_token_ids)\n",
-        "        sample.token_ids.extend(new_token_ids[:1])\n",
+        "request_outputs",
+        "    sample.token_ids.extend(new_token_ids)\n",
+        "    sample.token_ids.extend(new_token_ids[:1])\n",
     ),
     "no engine abort": (
-        "                if tell_engine:\n                    effects.abort.append",
-        "                if False:\n                    effects.abort.append",
+        "request_outputs",
+        "            if tell_engine:\n                effects.abort.append",
+        "            if False:\n                effects.abort.append",
     ),
     "AbortAck swapped": (
+        "sessions",
         "ack = AbortAck([r.request_id for r in aborted], unknown, msg.call_id)",
         "ack = AbortAck(unknown, [r.request_id for r in aborted], msg.call_id)",
     ),
     "engine death not refusing": (
+        "sessions",
         "        self.state = GatewayState.ENGINE_DEAD\n",
         "        pass\n",
     ),
     "output_tokens=0": (
-        "            sample.output_tokens,\n            sample.cached_tokens,\n",
-        "            0,\n            sample.cached_tokens,\n",
+        "request_outputs",
+        "        sample.output_tokens,\n        sample.cached_tokens,\n",
+        "        0,\n        sample.cached_tokens,\n",
     ),
     "expiry off": (
+        "sessions",
         "            if now - client.last_seen > client.heartbeat_timeout_s:",
         "            if False:",
     ),
     # (Not "cut_to = None": with stop sequences held back, as here, the cut changes no
     # count; it was "caught" only through a version-telling bug, since fixed.)
     "the engine not told of a stop sequence's end": (
-        "                    abort.append(sample.engine_request_id)  # the engine would go on",
-        "                    pass",
+        "request_outputs",
+        "                abort.append(sample.engine_request_id)  # the engine would go on",
+        "                pass",
     ),
     "pause(abort) ends nothing": (
+        "sessions",
         'if (isinstance(msg, Pause) and msg.mode == "abort") or (',
         "if False and (",
     ),
     "a held-back version never told": (
+        "request_outputs",
         "    sample.sent_version = version\n    return version",
         "    return None",
     ),
     "deadlines off": (
+        "sessions",
         "                if (request.deadline_at is not None and now >= request.deadline_at)",
         "                if False",
     ),
     "spans from the wrong token": (
-        "                produced = sample.output_tokens + len(sample.held_ids)",
-        "                produced = sample.output_tokens",
+        "request_outputs",
+        "            produced = sample.output_tokens + len(sample.held_ids)",
+        "            produced = sample.output_tokens",
+    ),
+    "in flight unbounded": (
+        "admission",
+        "        if current >= value:\n            return overloaded(",
+        "        if False:\n            return overloaded(",
     ),
 }
 
 
-def _mutated_table(old: str, new: str) -> type:
-    source = Path(sessions_module.__file__).read_text()
-    assert source.count(old) == 1, f"mutant does not apply: {old!r}"
-    name = "gateway._mutated_sessions"
+def _exec_module(name: str, source: str, origin: str) -> object:
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "gateway"
     sys.modules[name] = module
+    exec(compile(source, origin, "exec"), module.__dict__)
+    return module
+
+
+def _mutated_table(module: str, old: str, new: str) -> type:
+    """The SessionTable with ``old`` replaced by ``new`` in gateway/``module``.py: a mutated
+    module other than sessions is put in place while sessions is run again, so that the
+    table it defines calls the mutant."""
+    path = Path(sessions_module.__file__).with_name(f"{module}.py")
+    source = path.read_text()
+    assert source.count(old) == 1, f"mutant does not apply: {old!r}"
+    real = f"gateway.{module}"
+    saved = sys.modules.get(real), getattr(sys.modules["gateway"], module, None)
     try:
-        exec(
-            compile(source.replace(old, new), f"<mutant of {sessions_module.__file__}>", "exec"),
-            module.__dict__,
-        )
+        if module == "sessions":
+            mutated = _exec_module(
+                "gateway._mutated_sessions", source.replace(old, new), f"<mutant of {path}>"
+            )
+            return mutated.SessionTable
+        planted = _exec_module(real, source.replace(old, new), f"<mutant of {path}>")
+        setattr(sys.modules["gateway"], module, planted)
+        table_source = Path(sessions_module.__file__).read_text()
+        table = _exec_module("gateway._mutated_sessions", table_source, sessions_module.__file__)
+        return table.SessionTable
     finally:
-        del sys.modules[name]
-    return module.SessionTable
+        sys.modules.pop("gateway._mutated_sessions", None)
+        if saved[0] is not None:
+            sys.modules[real] = saved[0]
+            setattr(sys.modules["gateway"], module, saved[1])
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
