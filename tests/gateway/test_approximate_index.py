@@ -246,3 +246,30 @@ def test_hashing_stops_at_the_limit_and_a_long_output_stays_within_it():
     tokens = prompt + [t for step in range(50) for t in (10 + step, 11 + step, 12 + step)]
     assert index.matched_blocks(chained_block_hashes(tokens, 2, seed)) == [4]
     assert index.matched_blocks(chained_block_hashes(tokens[:7] + [0], 2, seed)) == [3]
+
+
+def test_clear_drops_held_blocks_and_a_rank_out_of_range_is_not_followed():
+    index = ApproximateIndex(2, capacity_blocks=100)
+    sequences, seed = _placed(index, 2)
+    hashes = chained_block_hashes([1, 2, 3], 2, seed)
+    sequences.start("a", 1, [1, 2, 3], hashes, seed)
+    index.clear()
+    assert index.matched_blocks(hashes) == [0, 0]
+    for rank in (-1, 2):
+        sequences.start(f"r{rank}", rank, [1, 2, 3], hashes, seed)
+        assert f"r{rank}" not in sequences._sequences
+
+
+def test_a_block_is_hashed_as_soon_as_a_token_follows_it_even_of_size_one():
+    """vLLM caches a block once a token follows it (it was computed): a tail one token
+    past a block hashes that block at once; blocks of one token too."""
+    index = ApproximateIndex(1, capacity_blocks=100)
+    sequences, seed = _placed(index, 2)
+    sequences.start("a", 0, [1, 2], chained_block_hashes([1, 2], 2, seed), seed)
+    _step(sequences, "a", [3, 4, 5])  # tail [3, 4, 5]: the block [3, 4] has a token after it
+    assert sequences._sequences["a"].hashes == chained_block_hashes([1, 2, 3, 4], 2, seed)
+    ones = PlacedSequences(index, 1)
+    assert chained_block_hashes([7], 1, seed) and chained_block_hashes([7], 1, seed, limit=1)
+    ones.start("b", 0, [7], chained_block_hashes([7], 1, seed), seed)
+    _step(ones, "b", [8, 9])
+    assert ones._sequences["b"].hashes == chained_block_hashes([7, 8], 1, seed)
