@@ -61,6 +61,7 @@ class PrefixRouting:
         self._hasher: PrefixHasher | None = None
         self._hash_check: bool | None = None  # None: no published block checked yet
         self._predicted: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._prefix_queried = False  # a client asked PrefixQuery (``_notes_placements``)
         self.routing_accuracy = RoutingAccuracy()
 
     def _start_routing(self, config: RoutingConfig) -> None:
@@ -120,6 +121,16 @@ class PrefixRouting:
             return router.config.index == "approximate"
         return self.prefix_index is None
 
+    def _notes_placements(self) -> bool:
+        """Whether placements are noted in the approximate index: for ``cache`` routing on
+        it, and for PrefixQuery once a client asked one (a pool in front of this gateway):
+        a gateway nobody queries does not follow every request's tokens (~0.1 µs a token
+        at the zero-compute ceiling) for nothing."""
+        router = self.router
+        if router is not None and router.config.policy == "cache":
+            return router.config.index == "approximate"
+        return self.prefix_index is None and self._prefix_queried
+
     def _route(self, core_request: Any, routing_key: str | None) -> Decision | None:
         """Choose the rank of an unpinned request (sets ``data_parallel_rank``). A request
         the gateway does not place (one rank, or vLLM's balancer) is noted on the rank it
@@ -127,23 +138,24 @@ class PrefixRouting:
         router = self.router
         if router is None:
             return None
-        approximate = self._reads_approximate()
+        noting = self._notes_placements()
         if router.ranks == 1:  # nothing to choose; noted before it is sent (outputs follow)
-            if approximate:
+            if noting:
                 _, placed = self._approximate_hashes(core_request)
                 self._record_placement(core_request, 0, placed)
             return None
         if core_request.data_parallel_rank is not None:
-            if approximate:  # its prompt will be cached where it was pinned: note it
+            if noting:  # its prompt will be cached where it was pinned: note it
                 _, placed = self._approximate_hashes(core_request)
                 self._record_placement(core_request, core_request.data_parallel_rank, placed)
             return None
         placed: list | None = None  # approximate: the prompt's block hashes, to record
         if router.config.policy != "cache":
             decision = router.choose(None, (), 0, 0, routing_key)
-            if decision.rank is not None and approximate:
+            if decision.rank is not None and noting:
                 _, placed = self._approximate_hashes(core_request)
         else:
+            approximate = self._reads_approximate()
             prompt_len = len(core_request.prompt_token_ids or ())
             if approximate:
                 matched, block_size, placed = self._approximate_matches(core_request)
@@ -183,7 +195,7 @@ class PrefixRouting:
         router = self.router
         if router is None or router.ranks == 1 or core_request.data_parallel_rank is not None:
             return  # noted by ``_route``
-        if not self._reads_approximate():
+        if not self._notes_placements():
             return
         # vLLM's DP client records the engine it chose for each request.
         chosen = getattr(self._client, "reqs_in_flight", {}).get(core_request.request_id)
@@ -417,6 +429,7 @@ class PrefixRouting:
         """Per rank, the prompt's leading tokens cached there as vLLM would reuse them
         (whole blocks, at most ``len - 1`` tokens; None: that rank's index is unsynced
         or unchecked), and the block size."""
+        self._prefix_queried = True
         matched, block_size = self._matched_blocks(core_request, held=False)
         ranks = self._vllm_config.parallel_config.data_parallel_size
         if matched is None or not block_size:

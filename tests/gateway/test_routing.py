@@ -345,6 +345,9 @@ def test_a_single_engine_gateway_answers_prefix_query_from_what_it_served(policy
     request only placed, not yet computed, is not reported."""
     routing = _approximate_routing(1, "load" if policy == "cache" else policy)
     prompt = list(range(3 * BLOCK + 5))
+    _served(routing, _fake_core_request("unasked", prompt))  # nobody queried: not followed
+    assert routing.approximate_index is None and routing.placed_sequences is None
+    assert routing.prefix_matches(_fake_core_request("q", prompt))[0] == [0]  # from now on
     placed = _fake_core_request("a", prompt)
     routing._route(placed, None)
     routing._placed_by_engine_client(placed)
@@ -359,6 +362,7 @@ def test_vllms_balancer_placements_are_noted_on_the_rank_it_chose():
     (its DP client's reqs_in_flight) and fills PrefixQuery's index there."""
     routing = _approximate_routing(2, "load", chosen={"a": 1})
     prompt = list(range(2 * BLOCK + 1))
+    assert routing.prefix_matches(_fake_core_request("q", prompt))[0] == [0, 0]
     _served(routing, _fake_core_request("a", prompt))
     assert routing.prefix_matches(_fake_core_request("q", prompt))[0] == [0, 2 * BLOCK]
 
@@ -391,6 +395,7 @@ def test_a_text_prompt_matches_the_text_blocks_an_image_prompt_shares():
                 yield ("vllm", tuple(tokens[: start + block_size]), *held)
 
     routing._hasher = Hasher()
+    routing._prefix_queried = True  # a pool in front: placements are noted
     shared = list(range(4 * BLOCK))
     image = _fake_core_request("i", shared + [7] * (2 * BLOCK), items=[4 * BLOCK + 3])
     _served(routing, image)
@@ -421,6 +426,7 @@ async def test_a_pause_that_clears_the_cache_empties_the_approximate_index():
     engine._engine_pids = []
     engine._client = SimpleNamespace(pause_scheduler_async=pause_scheduler_async)
     prompt = list(range(2 * BLOCK + 1))
+    engine.prefix_matches(_fake_core_request("q", prompt))  # a pool in front: noted from now
     _served(engine, _fake_core_request("a", prompt))
     held = engine.prefix_matches(_fake_core_request("q", prompt))[0]
     assert sorted(held) == [0, 2 * BLOCK]

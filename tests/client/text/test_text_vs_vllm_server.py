@@ -237,17 +237,18 @@ async def test_a_multi_turn_conversation_through_the_gateway(served: Served) -> 
 
 
 async def test_a_qwen3_conversation_through_the_gateway(served: Served) -> None:
-    """Qwen3's own chat template (TRL's copy), without thinking: its generation prompt
-    holds an empty think block that its rendering of the history drops. Three turns through
-    the gateway: the sampled ids and the prompted think blocks are kept, each prompt extends
-    the last, and each dropped block is reported at its turn (strict refuses it)."""
+    """A Qwen3-style thinking template (TRL's copy of Qwen3.5's): its generation prompt
+    opens a think block, so each completion through the gateway is reasoning, which the
+    template's rendering of the history drops. Three turns: the sampled ids and the opened
+    blocks are kept, each prompt extends the last, each dropped block is reported at its
+    turn, and a strict conversation refuses the first."""
     from tests.chat_template_corpus import corpus
 
     tokenizer = load_tokenizer(served.tokenizer.hf.name_or_path)
-    tokenizer.hf.chat_template = corpus(unique=False)["trl/qwen3"]
+    tokenizer.hf.chat_template = corpus(unique=False)["trl/qwen3_5_think"]
     start = [{"role": "user", "content": "Hi, café?"}]
-    conversation = Conversation.start(tokenizer, start, enable_thinking=False)
-    assert conversation.text.endswith("<think>\n\n</think>\n\n")
+    conversation = Conversation.start(tokenizer, start)
+    assert conversation.text.endswith("<|im_start|>assistant\n<think>\n")
     sampled: list[int] = []
     async with AsyncClient(served.gateway.addresses[0]) as client:
         text_client = AsyncTextClient(client, tokenizer)
@@ -263,8 +264,9 @@ async def test_a_qwen3_conversation_through_the_gateway(served: Served) -> None:
     mask = conversation.sampled_mask
     assert [t for t, m in zip(conversation.token_ids, mask, strict=True) if m] == sampled
     dropped = [d for d in conversation.divergences if d.kept.startswith("<think>")]
-    assert {d.turn for d in dropped} == {0, 2, 4}  # each prompt's empty think block
-    strict = Conversation.start(tokenizer, start, strict=True, enable_thinking=False)
+    assert {d.turn for d in dropped} == {0, 2, 4}  # each prompt's opened block, and more
+    assert "<|im_end|><|im_end|>" not in conversation.text
+    strict = Conversation.start(tokenizer, start, strict=True)
     first = conversation.turns[1]
     strict.add_completion(conversation.token_ids[first.start : first.end])
     with pytest.raises(TextError, match="strict"):
