@@ -11,7 +11,7 @@ Rules (this is the one place they live):
   and the request leaves the table when its last sample's terminal is produced.
   Engine outputs for ids no longer in the table are dropped, so nothing is ever
   sent for a request after its terminal output, even when outputs race an abort.
-- Every way a request ends (engine finish aside) goes through ``_end_requests``,
+- Every way a request ends (engine finish aside) goes through ``end_requests``,
   which takes the samples to end and why; callers only choose which and why.
 
 The table owns the state (session_model.py: clients, requests, samples, counts) and is the
@@ -70,6 +70,7 @@ from .engine import EngineInfo, PreparedRequest, StepOutput, sample_engine_reque
 from .errors import RequestRejected
 from .limits import GatewayLimits, frame_limit_for, model_info, wire_limits
 from .multimodal_store import MultimodalStore
+from .request_outputs import end_requests
 from .session_model import Client, Effects, GatewayState, Reply, Request, Sample, TableStats
 from .stop_sequences import StopMatcher
 
@@ -274,7 +275,7 @@ class SessionTable:
         if (isinstance(msg, Pause) and msg.mode == "abort") or (
             isinstance(msg, StartWeightUpdate) and msg.pause == "abort" and not self.paused
         ):
-            self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
+            end_requests(self, self._all_requests(), FinishReason.ABORT, effects, now=now)
         effects.control.append((client_id, msg))
         return effects
 
@@ -464,7 +465,7 @@ class SessionTable:
             else:
                 aborted.append(request)
         self.stats.aborted_by_client += len(aborted)
-        self._end_requests(aborted, FinishReason.ABORT, effects, now=now)
+        end_requests(self, aborted, FinishReason.ABORT, effects, now=now)
         ack = AbortAck([r.request_id for r in aborted], unknown, msg.call_id)
         effects.replies.append((client_id, ack))
         return effects
@@ -485,7 +486,7 @@ class SessionTable:
             not sample.done and sample.index in indices for sample in request.samples
         ):
             self.stats.aborted_by_client += 1
-            self._end_requests([request], FinishReason.ABORT, effects, now=now, samples=indices)
+            end_requests(self, [request], FinishReason.ABORT, effects, now=now, samples=indices)
             ack = AbortAck([msg.request_id], [], msg.call_id)
         else:
             ack = AbortAck([], [msg.request_id], msg.call_id)
@@ -531,21 +532,6 @@ class SessionTable:
             if request.deadline_at is not None or request.stall_timeout_s is not None:
                 self._timed.pop(request, None)
 
-    def _end_requests(
-        self,
-        requests: Sequence[Request],
-        ending: FinishReason | tuple[ErrorCode, str],
-        effects: Effects,
-        *,
-        now: float,
-        tell_engine: bool = True,
-        samples: set[int] | None = None,
-    ) -> None:
-        """End requests early: request_outputs.end_requests, the one way they do."""
-        request_outputs.end_requests(
-            self, requests, ending, effects, now=now, tell_engine=tell_engine, samples=samples
-        )
-
     def _end_client(
         self,
         client_id: bytes,
@@ -557,7 +543,7 @@ class SessionTable:
         client = self._clients.pop(client_id)
         if self.multimodal is not None:
             self.multimodal.drop_session(client.session_id)
-        self._end_requests(list(client.requests.values()), ending, effects, now=now)
+        end_requests(self, list(client.requests.values()), ending, effects, now=now)
 
     def _all_requests(self) -> list[Request]:
         return [r for client in self._clients.values() for r in client.requests.values()]
@@ -602,7 +588,7 @@ class SessionTable:
             ]
             if late:
                 self.stats.timed_out += len(late)
-                self._end_requests(late, FinishReason.TIMED_OUT, effects, now=now)
+                end_requests(self, late, FinishReason.TIMED_OUT, effects, now=now)
         return effects
 
     def on_client_gone(self, client_id: bytes, now: float) -> Effects:
@@ -647,7 +633,7 @@ class SessionTable:
         entry = self.by_engine_id.get(engine_request_id)
         if entry is not None:
             request, _ = entry
-            self._end_requests([request], (ErrorCode.INTERNAL, message), effects, now=now)
+            end_requests(self, [request], (ErrorCode.INTERNAL, message), effects, now=now)
         return effects
 
     @property
@@ -660,7 +646,7 @@ class SessionTable:
         self.state = GatewayState.ENGINE_DEAD
         effects = Effects()
         ending = (ErrorCode.ENGINE_DEAD, message)
-        self._end_requests(self._all_requests(), ending, effects, now=now, tell_engine=False)
+        end_requests(self, self._all_requests(), ending, effects, now=now, tell_engine=False)
         return effects
 
     def start_drain(self) -> None:
@@ -671,13 +657,13 @@ class SessionTable:
     def abort_all(self, now: float) -> Effects:
         """End every live request now with ABORT (drain deadline, shutdown)."""
         effects = Effects()
-        self._end_requests(self._all_requests(), FinishReason.ABORT, effects, now=now)
+        end_requests(self, self._all_requests(), FinishReason.ABORT, effects, now=now)
         return effects
 
     def fail_all(self, code: ErrorCode, message: str, now: float) -> Effects:
         """End every live request now with one Error(``code``) each; the engine aborts them."""
         effects = Effects()
-        self._end_requests(self._all_requests(), (code, message), effects, now=now)
+        end_requests(self, self._all_requests(), (code, message), effects, now=now)
         return effects
 
     def has_session(self, client_id: bytes) -> bool:

@@ -394,10 +394,8 @@ def test_prefix_queries_need_a_session_and_share_the_request_rate():
     assert isinstance(h.take(A)[-1], PrefixReply)
 
 
-def test_routing_keys_reach_the_engine_as_each_clients_own():
-    from codec import RequestOptions
-
-    h = TableHarness()
+def _routing_keys_seen(h: TableHarness) -> list:
+    """The routing keys of the requests the table prepares from now on."""
     seen = []
     prepare = h.table._prepare
 
@@ -406,6 +404,14 @@ def test_routing_keys_reach_the_engine_as_each_clients_own():
         return prepare(engine_id, msg)
 
     h.table._prepare = recording
+    return seen
+
+
+def test_routing_keys_reach_the_engine_as_each_clients_own():
+    from codec import RequestOptions
+
+    h = TableHarness()
+    seen = _routing_keys_seen(h)
     for client in (A, B):
         hello(h, client)
         h.send(client, Generate("r", [5], options=RequestOptions(routing_key="ep:1")))
@@ -419,14 +425,7 @@ def test_routing_key_owners_are_each_clients_own_even_for_keys_with_a_colon():
     from gateway.routing import Router, RoutingConfig
 
     h = TableHarness()
-    seen = []
-    prepare = h.table._prepare
-
-    def recording(engine_id, msg):
-        seen.append(msg.options.routing_key)
-        return prepare(engine_id, msg)
-
-    h.table._prepare = recording
+    seen = _routing_keys_seen(h)
     keys = {A: ":" + "a" * 39, B: ":" + "b" * 39}
     for client, key in keys.items():
         h.apply(h.table.on_message(client, Hello(1, "t", 1.0), h.now, key))
