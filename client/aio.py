@@ -43,6 +43,7 @@ from codec import (
     GetHealth,
     GetModelInfo,
     GetStats,
+    Goodbye,
     HealthReply,
     Hello,
     HelloAck,
@@ -379,8 +380,10 @@ class AsyncClient(CompletionCalls):
         """Abort this client's live requests, stop the tasks and close the socket."""
         if self._closed:
             return
-        if self._sock is not None and self._streams and self.connected:
-            self._send(Abort(None))
+        if self._sock is not None and self.connected:
+            if self._streams:
+                self._send(Abort(None))  # (a gateway older than Goodbye ends them so)
+            self._send(Goodbye())  # the session ends now, not when its heartbeat lapses
         self._closed = True
         for task in self._tasks:
             task.cancel()

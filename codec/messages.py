@@ -34,6 +34,7 @@ __all__ = [
     "Generate",
     "Abort",
     "AbortSamples",
+    "Goodbye",
     "Ping",
     "GetModelInfo",
     "GetHealth",
@@ -318,6 +319,11 @@ class AbortSamples(_ClientBase, tag=25):
     call_id: int = 0
 
 
+class Goodbye(_ClientBase, tag=26):
+    """The client is closing: its session ends now (its live requests abort, as for a
+    disconnect) instead of when its heartbeat lapses. Nothing is answered."""
+
+
 class Ping(_ClientBase, tag=4):
     """Liveness probe; also counts as a heartbeat. Answered by Pong."""
 
@@ -516,6 +522,7 @@ ClientMessage = (
     | ShutdownWeightTransfer
     | PrefixQuery
     | AbandonWeightUpdate
+    | Goodbye
 )
 CONTROL_MESSAGES = (
     Pause,

@@ -87,6 +87,11 @@ class GatewayCollector:
             value=stats.clients_expired,
         )
         yield CounterMetricFamily(
+            p + "clients_left",
+            "Sessions their client ended with Goodbye (a clean close)",
+            value=stats.clients_left,
+        )
+        yield CounterMetricFamily(
             p + "pauses",
             "Times the gateway process did not run for over 0.25 s (host paused or"
             " CPU-throttled); heartbeat timeouts skip that time",

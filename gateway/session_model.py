@@ -24,7 +24,8 @@ class TableStats:
     requests_accepted: int = 0
     output_tokens: int = 0
     aborted_by_client: int = 0
-    clients_expired: int = 0
+    clients_expired: int = 0  # sessions silent past their heartbeat timeout
+    clients_left: int = 0  # sessions their client ended with Goodbye
     pauses_forgiven: int = 0  # times this process did not run for a while (see forgive)
     slow_consumers: int = 0
     timed_out: int = 0  # requests ended by deadline_s or stall_timeout_s

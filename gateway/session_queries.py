@@ -103,6 +103,7 @@ def gateway_stats(table: SessionTable) -> dict[str, int]:
         "timed_out": stats.timed_out,
         "stop_sequence_hits": stats.stop_sequence_hits,
         "clients_expired": stats.clients_expired,
+        "clients_left": stats.clients_left,
         "pauses_forgiven": stats.pauses_forgiven,
         "slow_consumers": stats.slow_consumers,
         **multimodal_stats(table),

@@ -50,6 +50,7 @@ from codec import (
     Generate,
     GetHealth,
     GetModelInfo,
+    Goodbye,
     Hello,
     HelloAck,
     Pause,
@@ -158,6 +159,7 @@ class SessionTable:
             GetModelInfo: self._on_get_model_info,
             GetHealth: self._on_get_health,
             PrefixQuery: self._on_prefix_query,
+            Goodbye: self._on_goodbye,
             # Control calls reach on_control (authorized or not) from the server; sent
             # through on_message they are refused.
             **{kind: self._on_unauthorized_control for kind in CONTROL_MESSAGES},
@@ -497,6 +499,15 @@ class SessionTable:
         client = self._clients.get(client_id)
         session_id = 0 if client is None else client.session_id
         return Effects(replies=[(client_id, Pong(msg.nonce, session_id))])
+
+    def _on_goodbye(self, client_id: bytes, msg: Goodbye, now: float) -> Effects:
+        """The client closes: its session ends now, as at a disconnect (live requests
+        abort in the engine), counted as left, not expired. Nothing is answered."""
+        effects = Effects()
+        if client_id in self._clients:
+            self.stats.clients_left += 1
+            self._end_client(client_id, FinishReason.ABORT, effects, now)
+        return effects
 
     def _on_get_model_info(self, client_id: bytes, msg: GetModelInfo, now: float) -> Effects:
         return session_queries.get_model_info(self, client_id, msg)

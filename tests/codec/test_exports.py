@@ -33,6 +33,7 @@ EXPECTED_CODEC = {
     "Generate",
     "Abort",
     "AbortSamples",
+    "Goodbye",
     "Ping",
     "GetModelInfo",
     "GetHealth",

@@ -18,6 +18,7 @@ from codec import (
     ErrorCode,
     FinishWeightUpdate,
     Generate,
+    Goodbye,
     Hello,
     Outputs,
     Pause,
@@ -57,7 +58,7 @@ def _dumps() -> list[tuple[list[bytes], object]]:
 
 def test_the_document_has_its_dumps():
     tags = [value[0] for _, value in _dumps()]
-    assert tags == [1, 2, 2, 65, 3, 66, 25, 67, 7, 72, 19, 20, 21, 23, 74]
+    assert tags == [1, 2, 2, 65, 3, 66, 25, 67, 7, 72, 19, 20, 21, 23, 74, 26]
 
 
 @pytest.mark.parametrize(("frames", "value"), _dumps())
@@ -71,8 +72,8 @@ def test_each_dump_decodes_to_its_documented_value(frames, value):
 def test_dumps_decode_to_the_described_messages():
     dumps = [frames for frames, _ in _dumps()]
     hello, generate, images, outputs, abort, error, abort_samples, ack = dumps[:8]
-    pause, done, start, update, finish, query = dumps[8:-1]
-    reply = dumps[-1]
+    pause, done, start, update, finish, query = dumps[8:-2]
+    reply, goodbye = dumps[-2:]
     h = decode_client(hello)
     assert isinstance(h, Hello) and h.client_name == "demo" and h.heartbeat_interval_s == 2.0
     g = decode_client(generate)
@@ -133,6 +134,7 @@ def test_dumps_decode_to_the_described_messages():
     assert isinstance(f, FinishWeightUpdate) and (f.call_id, f.version) == (9, "v2")
     q = decode_client(query)
     assert isinstance(q, PrefixQuery) and (q.call_id, q.prompt_token_ids) == (5, [1, 300, 70000])
+    assert isinstance(decode_client(goodbye), Goodbye)
     r = decode_server(reply)
     assert isinstance(r, PrefixReply)
     assert (r.call_id, r.block_size, r.matched_tokens, r.routing) == (5, 32, [64, None], "cache")

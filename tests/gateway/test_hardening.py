@@ -451,14 +451,15 @@ def test_control_key_allow_list_admits_only_the_named_curve_client(curve_keys):
             assert info.value.code is ErrorCode.UNAUTHORIZED
             assert other.complete([5], SamplingParams(max_tokens=2)).output_tokens == 2
         assert gw.engine.calls == []
-        # The stranger's session (until it expires) belongs to its key: the trainer uses
+        # The stranger's session belonged to its key: the trainer uses
         # another routing id (on the stranger's, it would be refused: test_curve_sessions...).
         with Client(gw.address, curve_keys=trainer, identity=b"trainer-identity") as allowed:
             assert allowed.pause("keep").operation == "pause"
             assert allowed.health().paused
             assert allowed.resume().operation == "resume"
-            # The stranger's session lasts until its heartbeat timeout: its key's alone.
-            assert allowed.stats().gateway["connected_clients"] == 2
+            # The stranger said Goodbye as it closed: its session is over, not left to expire.
+            assert allowed.stats().gateway["connected_clients"] == 1
+            assert allowed.stats().gateway["clients_left"] == 1
         assert gw.engine.calls == ["pause:keep", "resume"]
 
 

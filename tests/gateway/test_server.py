@@ -275,3 +275,19 @@ def test_freezing_the_startup_heap_leaves_the_collector_only_what_serving_alloca
     before, frozen, tracked = json.loads(done.stdout)
     assert before > 10_000  # the gateway's imports
     assert frozen >= before * 0.9 and tracked < 1_000
+
+
+async def test_a_client_that_closes_says_goodbye_and_is_never_counted_as_expired():
+    """Issue 72 item 4: closing an AsyncClient ends its session at the gateway at once (its
+    live request aborted in the engine), with no expiry warning or count afterwards."""
+    engine = FakeEngine(step_interval_s=0.01)
+    async with running_gateway(engine) as gw:
+        async with AsyncClient(gw.addresses[0], heartbeat_interval_s=0.2) as client:
+            stream = client.generate([5], SamplingParams(max_tokens=10**6, ignore_eos=True))
+            await stream.__anext__()  # live in the engine
+        async with asyncio.timeout(5):
+            while gw.table.stats.clients_left < 1 or gw.table.live_requests:
+                await asyncio.sleep(0.01)
+        assert gw.table.connected_clients == 0
+        await asyncio.sleep(1.0)  # past the 0.6 s heartbeat timeout it would have had
+        assert gw.table.stats.clients_expired == 0 and gw.table.stats.clients_left == 1

@@ -737,3 +737,25 @@ def test_terminals_the_gateway_makes_say_when_it_made_them():
     h.apply(h.table.abort_all(h.now))
     (drained,) = [o for m in h.take(B) if isinstance(m, Outputs) for o in m.outputs]
     assert drained.finished.timings.finished_s == 6.5
+
+
+def test_goodbye_ends_the_session_at_once_counted_as_left_not_expired():
+    """Issue 72 item 4: a client that closes says so; its live requests abort in the engine
+    now, its session is gone, and no expiry is counted later."""
+    from codec import Goodbye
+
+    h = TableHarness()
+    hello(h, A, interval=0.5)
+    h.send(A, Generate("r1", [5], sampling=SamplingParams(max_tokens=50)))
+    (prepared,) = h.submitted
+    effects = h.send(A, Goodbye())
+    assert effects.abort == [prepared.request_id]
+    assert not h.table.has_session(A) and h.table.live_requests == 0
+    (terminal,) = h.take(A)  # its request's ABORT terminal, nothing else
+    assert isinstance(terminal, Outputs)
+    assert terminal.outputs[0].finished.finish_reason is FinishReason.ABORT
+    h.now += 10.0
+    h.apply(h.table.expire(h.now))
+    stats = h.table.gateway_stats()
+    assert (stats["clients_left"], stats["clients_expired"]) == (1, 0)
+    assert h.send(B, Goodbye()).replies == [] and h.table.gateway_stats()["clients_left"] == 1
