@@ -29,7 +29,10 @@ def create_keys(
     folder.mkdir(parents=True, exist_ok=True)
     public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
     if not force and (public.exists() or secret.exists()):
-        raise FileExistsError(f"{secret} or {public} exists (force to replace)")
+        raise FileExistsError(
+            f"{secret} or {public} exists; to replace it, pass force=True"
+            " (`engine-gateway keys ... --force`)"
+        )
     made_public, made_secret = zmq.auth.create_certificates(folder, name)
     os.chmod(made_secret, 0o600)
     if allow_dir is not None:

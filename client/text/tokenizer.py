@@ -68,6 +68,12 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Text
     folder = Path(path)
     if not folder.is_dir():
         raise TextError(f"tokenizer path {str(path)!r} is not a folder")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise TextError(
+            f"{str(path)!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...):"
+            " pass the folder that has them (a model whose tokenizer lives elsewhere, as"
+            " `vllm serve --tokenizer PATH` names it)"
+        )
     mistral = _mistral_tokenizer_files(folder)
     if mistral:
         raise TextError(
@@ -97,6 +103,19 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Text
     if isinstance(hf, bool) or not hasattr(hf, "convert_ids_to_tokens"):
         raise TextError(f"{str(path)!r} holds no tokenizer")
     return TextTokenizer(hf)
+
+
+# What Hugging Face tokenizers are loaded from (any one of them makes a folder a candidate).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+)
 
 
 def _mistral_tokenizer_files(folder: Path) -> list[str]:

@@ -272,7 +272,7 @@ def test_keys_command_makes_working_folders_from_nothing_and_never_overwrites(tm
     assert secret.stat().st_mode & 0o077 == 0  # owner only
     before = secret.read_bytes()
     code, _, err, _ = run_cli("keys", "--server", str(tmp_path / "a" / "b"))
-    assert code == 2 and "exists" in err and secret.read_bytes() == before
+    assert code == 2 and "exists" in err and "--force" in err and secret.read_bytes() == before
     code, _, err, _ = run_cli("keys", "--server", str(tmp_path / "a" / "b"), "--force")
     assert code == 0 and secret.read_bytes() != before
     code, _, err, _ = run_cli("keys", "--client", "../x", str(tmp_path))

@@ -94,8 +94,8 @@ def test_bad_input_is_refused(tmp_path) -> None:  # noqa: ANN001
     tokenizer = load_tokenizer(ensure_tokenizer("bpe"))
     with pytest.raises(TextError, match="not a folder"):
         load_tokenizer(tmp_path / "missing")
-    with pytest.raises(TextError, match="no tokenizer could be loaded"):
-        load_tokenizer(tmp_path)
+    with pytest.raises(TextError, match="holds no tokenizer files.*--tokenizer"):
+        load_tokenizer(tmp_path)  # e.g. the tiny model's folder: its tokenizer is elsewhere
     with pytest.raises(TextError, match="empty list"):
         TextParams(stop=[])
     with pytest.raises(TextError, match="must not be empty"):
