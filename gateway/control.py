@@ -80,6 +80,7 @@ async def _engine_call(engine: Any, table: SessionTable, call: Any) -> ServerMes
         case Pause(mode=mode, clear_cache=clear_cache):
             await engine.pause(mode, clear_cache)
             table.paused = True  # not before: a failed Pause leaves the state as it was
+            table.stats.pause_calls += 1
             return ControlDone(call_id, "pause", mode)
         case Resume():
             await engine.resume()

@@ -92,7 +92,10 @@ class GatewayCollector:
             value=stats.clients_left,
         )
         yield CounterMetricFamily(
-            p + "pauses",
+            p + "pauses", "Pause control calls the engine carried out", value=stats.pause_calls
+        )
+        yield CounterMetricFamily(
+            p + "process_stalls",
             "Times the gateway process did not run for over 0.25 s (host paused or"
             " CPU-throttled); heartbeat timeouts skip that time",
             value=stats.pauses_forgiven,

@@ -27,6 +27,7 @@ class TableStats:
     clients_expired: int = 0  # sessions silent past their heartbeat timeout
     clients_left: int = 0  # sessions their client ended with Goodbye
     pauses_forgiven: int = 0  # times this process did not run for a while (see forgive)
+    pause_calls: int = 0  # Pause control calls the engine carried out
     slow_consumers: int = 0
     timed_out: int = 0  # requests ended by deadline_s or stall_timeout_s
     stop_sequence_hits: int = 0  # samples ended by a stop sequence

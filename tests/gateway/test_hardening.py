@@ -369,9 +369,12 @@ def test_curve_serves_the_allowed_key_and_refuses_wrong_or_no_key(curve_keys):
 
 
 def test_metrics_endpoint_reports_requests_tokens_errors_and_clients():
+    """Each metric counts what its name says: engine_gateway_pauses_total the Pause calls
+    (issue 72 item 6), the process stalls beside it under their own name."""
+    from gateway.auth import ControlPolicy
     from gateway.metrics import start_metrics_server
 
-    with GatewayThread() as gw:
+    with GatewayThread(control=ControlPolicy(open=True)) as gw:
         port = _free_port()
         start_metrics_server(gw.gateway, port)
         with Client(gw.address) as client:
@@ -379,6 +382,8 @@ def test_metrics_endpoint_reports_requests_tokens_errors_and_clients():
                 client.complete([5], SamplingParams(max_tokens=4, ignore_eos=True))
             with pytest.raises(Exception):  # noqa: B017 - any refusal will do
                 client.complete([5000])
+            client.pause("keep")
+            client.resume()
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     values = {
         line.split(" ")[0]: float(line.split(" ")[1])
@@ -392,6 +397,8 @@ def test_metrics_endpoint_reports_requests_tokens_errors_and_clients():
     assert values["engine_gateway_connected_clients"] == 1
     assert values["engine_gateway_step_seconds_count"] >= 4
     assert "engine_gateway_in_flight_requests" in values
+    assert values["engine_gateway_pauses_total"] == 1
+    assert values["engine_gateway_process_stalls_total"] == 0
 
 
 def _free_port() -> int:
