@@ -100,11 +100,62 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="model to serve (as `vllm serve MODEL`); default: the tiny model",
     )
-    add_gateway_args(parser.add_argument_group("gateway"))
+    gateway_group = parser.add_argument_group("gateway")
+    add_gateway_args(gateway_group)
     add_engine_cli_args(parser)
     # Token-only serving needs no tokenizer; --no-skip-tokenizer-init loads one.
     parser.set_defaults(model=None, skip_tokenizer_init=True)
+    _gateway_help_first(parser, gateway_group)
     return parser
+
+
+_VLLM_HELP_TIP = (
+    "vLLM's engine flags (any `vllm serve` engine flag works here): --help=vllm lists their"
+    " groups, --help=GROUP shows one (e.g. --help=modelconfig), --help=NAME the flags whose"
+    " name holds NAME, --help=all every flag."
+)
+
+
+class _GatewayHelpFormatter(argparse.HelpFormatter):
+    """Each flag's default once: from its help text where that names it, else appended."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS, []):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def _gateway_help_first(parser: argparse.ArgumentParser, group: Any) -> None:
+    """``serve --help`` leads with the gateway's own flags (vLLM's parser would list only
+    config group names); ``--help=vllm`` gives vLLM's summary, ``--help=GROUP`` and
+    ``--help=all`` work as in ``vllm serve``."""
+    vllm_help = parser.format_help
+    parser_class = type(parser)
+    for action in group._group_actions:  # a flag with no help still shows its default
+        if not action.help and action.default not in (None, False, argparse.SUPPRESS, []):
+            action.help = "(default: %(default)s)"
+
+    def format_help() -> str:
+        keyword = getattr(parser_class, "_search_keyword", None)
+        if keyword == "vllm":
+            parser_class._search_keyword = None
+            try:
+                return vllm_help()
+            finally:
+                parser_class._search_keyword = keyword
+        if keyword not in (None, "gateway"):
+            return vllm_help()
+        formatter = _GatewayHelpFormatter(prog=parser.prog, max_help_position=32)
+        formatter.add_usage(f"{parser.prog} [MODEL] [gateway flags] [vLLM engine flags]", [], [])
+        formatter.add_text(parser.description)
+        formatter.start_section("gateway flags")
+        formatter.add_arguments(group._group_actions)
+        formatter.end_section()
+        formatter.add_text(_VLLM_HELP_TIP)
+        return formatter.format_help()
+
+    parser.format_help = format_help  # type: ignore[method-assign]
 
 
 def _guard(text: str) -> tuple[float, float]:

@@ -307,7 +307,8 @@ def test_help_is_clean_and_unknown_engine_flags_fail_in_one_line(tmp_path):
         results = {name: future.result() for name, future in futures.items()}
     code, out, err, _ = results["help"]
     assert code == 0 and out.startswith("usage: engine-gateway serve"), out[:500]
-    assert "--curve-secret-key" in out and "--max-model-len" in out  # ours and vLLM's
+    assert "gateway flags:" in out and "--curve-secret-key" in out  # ours first
+    assert "--help=vllm" in out and "(default: None)" not in out
     assert err.strip() == "", err  # no Triton or platform notes
     code, _, err, _ = results["unknown"]
     assert_one_line_error(code, err, "--no-such-flag")
@@ -564,3 +565,26 @@ def test_the_embedded_model_keeps_an_engine_flag_however_vllm_lets_it_be_spelled
     args = build_parser().parse_args(flags)
     _tiny_model_defaults(args, flags)
     assert getattr(args, attr) == value
+
+
+def test_serve_help_leads_with_the_gateways_flags_and_vllms_are_a_keyword_away():
+    """Issue 72 item 2: plain --help shows the gateway's own flags, each default once;
+    --help=vllm gives vLLM's summary of its config groups, --help=GROUP one of them."""
+    from gateway.cli import build_parser
+
+    parser = build_parser()
+    parser_class = type(parser)
+    try:
+        parser_class._search_keyword = None
+        text = parser.format_help()
+        assert text.startswith("usage: engine-gateway serve [MODEL]")
+        assert "--bind ADDR" in text
+        assert "(default tcp://127.0.0.1:5557)" in " ".join(text.split())
+        assert "(default: None)" not in text and "--max-model-len" not in text
+        assert "(default: 1024)" in text  # --max-in-flight-per-client, which has no help
+        parser_class._search_keyword = "vllm"
+        assert "ModelConfig" in parser.format_help()
+        parser_class._search_keyword = "modelconfig"
+        assert "--max-model-len" in parser.format_help()
+    finally:
+        parser_class._search_keyword = None
