@@ -1,5 +1,5 @@
 """``engine-gateway``: ``serve`` (the gateway on a real vLLM engine), ``keys`` (CURVE
-key files) and ``bench`` (load-test any running gateway).
+key files), ``health`` (is a gateway serving?) and ``bench`` (load-test any running gateway).
 
 Engine flags are vLLM's own (its parser, via gateway.vllm), accepted exactly as
 ``vllm serve`` accepts them; gateway flags are ours. With no model given it
@@ -49,6 +49,7 @@ usage: engine-gateway COMMAND ...
 commands:
   serve [MODEL] [flags]   serve a vLLM engine on a ZeroMQ socket (serve --help)
   keys                    make CURVE key files for the gateway and its clients (keys --help)
+  health ADDR             exit 0 when the gateway at ADDR is serving (health --help)
   bench --address ADDR    load-test a running gateway (bench --help)
   --version               print the version
 """
@@ -634,10 +635,15 @@ def main(argv: list[str] | None = None) -> int:
         from .keys_cli import keys_main
 
         return keys_main(rest)
+    if command == "health":
+        from .health_cli import health_main
+
+        return health_main(rest)
     if command == "bench":  # engine_gateway.main dispatches it: the gateway never imports bench
         return _fail("bench", "run it as `engine-gateway bench` (the benchmark's load generator)")
     print(
-        f"engine-gateway: error: unknown command {command!r} (serve, keys or bench; see --help)",
+        f"engine-gateway: error: unknown command {command!r} (serve, keys, health or bench;"
+        " see --help)",
         file=sys.stderr,
     )
     return EXIT_USAGE

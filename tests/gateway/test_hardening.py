@@ -506,3 +506,29 @@ def test_curve_sessions_belong_to_their_key_not_to_a_routing_id(curve_keys):
         time.sleep(2.0)  # the owner's session expires (1.5 s)
         with Client(gw.address, curve_keys=stranger_keys, **same) as stranger:
             assert stranger.complete([5], SamplingParams(max_tokens=3)).output_tokens == 3
+
+
+def test_the_health_command_says_whether_a_gateway_serves_with_curve_too(curve_keys, capsys):
+    """Issue 72 item 3: ``engine-gateway health ADDR`` exits 0 when serving, 1 when the
+    gateway answers but drains, 3 with a hint when no answer comes (a CURVE gateway
+    without keys), and works with CURVE keys."""
+    from gateway.health_cli import health_main
+
+    with GatewayThread() as gw:
+        assert health_main([gw.address]) == 0
+        assert f"{gw.address}: serving" in capsys.readouterr().out
+        gw.gateway.table.start_drain()
+        assert health_main([gw.address]) == 1
+        assert "draining" in capsys.readouterr().out
+    root, config = curve_keys
+    with GatewayThread(curve=config) as gw:
+        assert health_main([gw.address, "--timeout", "0.5"]) == 3
+        assert "CURVE gateway answers nothing without keys" in capsys.readouterr().err
+        keys = [
+            "--server-key", str(root / "server" / "server.key"),
+            "--client-key", str(root / "client" / "client.key_secret"),
+        ]  # fmt: skip
+        assert health_main([gw.address, *keys]) == 0
+    with pytest.raises(SystemExit) as usage:
+        health_main([gw.address, "--server-key", "x"])
+    assert usage.value.code == 2
