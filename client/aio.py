@@ -367,8 +367,16 @@ class AsyncClient(CompletionCalls):
                 ack = await self._first_session
         except TimeoutError:
             await self.aclose()
+            cause = (
+                "a CURVE gateway answers nothing to a key it does not allow, or is another"
+                " gateway's public key given?"
+                if self._curve_keys is not None
+                else "a CURVE gateway answers nothing to a client without keys"
+                " (curve_keys=client.load_client_keys(server.key, NAME.key_secret))"
+            )
             raise GatewayUnavailable(
-                f"no HelloAck from {self.address} within {self._connect_timeout_s}s"
+                f"no HelloAck from {self.address} within {self._connect_timeout_s:g}s"
+                f" (connect_timeout_s): is a gateway serving there? {cause}"
             ) from None
         except BaseException:
             await self.aclose()

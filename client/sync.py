@@ -31,6 +31,9 @@ from .results import Completion
 __all__ = ["Client"]
 
 
+_CLIENT_TIMEOUT = object()  # Client._run's default: the client's own timeout_s
+
+
 class Client:
     """Blocking client; use as ``with Client(address) as client``.
 
@@ -45,17 +48,22 @@ class Client:
             target=self._loop.run_forever, daemon=True, name="gateway-client-loop"
         )
         self._thread.start()
+        # Connecting waits as long as a call would, and says why it failed (AsyncClient).
+        kwargs.setdefault("connect_timeout_s", 60.0 if timeout_s is None else min(60.0, timeout_s))
         self._async = AsyncClient(address, **kwargs)
         try:
-            self._run(self._async.connect())
+            self._run(self._async.connect(), timeout_s=None)
         except BaseException:
             self._stop_loop()
             raise
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Any, timeout_s: Any = _CLIENT_TIMEOUT) -> Any:
+        """``coro`` on the client's loop, waited for ``timeout_s`` (default: the client's;
+        None: as long as it takes)."""
+        wait = self.timeout_s if timeout_s is _CLIENT_TIMEOUT else timeout_s
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result(self.timeout_s)
+            return future.result(wait)
         except concurrent.futures.TimeoutError:  # (TimeoutError itself on Python 3.11+)
             if future.done():
                 raise  # the call's own TimeoutError

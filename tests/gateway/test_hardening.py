@@ -532,3 +532,18 @@ def test_the_health_command_says_whether_a_gateway_serves_with_curve_too(curve_k
     with pytest.raises(SystemExit) as usage:
         health_main([gw.address, "--server-key", "x"])
     assert usage.value.code == 2
+
+
+def test_a_client_without_keys_at_a_curve_gateway_is_told_the_likely_cause(curve_keys):
+    """Issue 72 item 5: no silent wait and no generic timeout: GatewayUnavailable naming
+    the timeout used and CURVE keys as the likely cause, from the blocking Client too
+    (whose connect waits its timeout_s)."""
+    from client import GatewayUnavailable
+
+    _, config = curve_keys
+    with GatewayThread(curve=config) as gw:
+        with pytest.raises(GatewayUnavailable) as info:
+            Client(gw.address, timeout_s=0.5)
+        message = str(info.value)
+        assert "within 0.5s" in message and "CURVE gateway answers nothing" in message
+        assert "load_client_keys" in message
