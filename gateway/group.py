@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
@@ -51,7 +52,11 @@ EXIT_OK, EXIT_FAILED, EXIT_ENGINE_DEAD = 0, 1, 3
 
 
 def gateway_process_main(
-    args: argparse.Namespace, index: int, count: int, client_config: dict[str, Any]
+    args: argparse.Namespace,
+    index: int,
+    count: int,
+    client_config: dict[str, Any],
+    ready: Any = None,
 ) -> None:
     """Entry point of gateway ``index`` (a spawned process, ended without the
     interpreter's teardown: ``gateway.quick_exit``)."""
@@ -75,7 +80,7 @@ def gateway_process_main(
     engine_args = engine_args_from_namespace(args)
     vllm_config = engine_config(engine_args, count, index)
     try:
-        code = uvloop.run(run_gateway(args, engine_args, vllm_config, client_config))
+        code = uvloop.run(run_gateway(args, engine_args, vllm_config, client_config, ready))
     except UsageError as exc:
         print(f"engine-gateway serve: gateway {index}: error: {exc}", file=sys.stderr)
         code = 2
@@ -95,6 +100,7 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
     binds = gateway_bind_addresses(args.bind, count)
     spawn = multiprocessing.get_context("spawn")
     gateways: list[BaseProcess] = []
+    ready = [spawn.Event() for _ in range(count)]  # set by each gateway once it serves
 
     def start_gateway(index: int, client_config: dict[str, Any]) -> BaseProcess:
         child = copy.copy(args)
@@ -103,12 +109,17 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
             child.metrics_port = args.metrics_port + index
         process = spawn.Process(
             target=gateway_process_main,
-            args=(child, index, count, client_config),
+            args=(child, index, count, client_config, ready[index]),
             name=f"Gateway_{index}",
         )
         process.start()
         gateways.append(process)
-        logger.info("gateway %d (pid %d) on %s", index, process.pid, " ".join(binds[index]))
+        logger.info(
+            "gateway %d (pid %d) starting for %s (it serves once the engines are up)",
+            index,
+            process.pid,
+            " ".join(binds[index]),
+        )
         return process
 
     wake_read, wake_write = os.pipe()
@@ -142,6 +153,9 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
         for signum in previous:
             signal.signal(signum, lambda signum, _frame: note(f"signal {signum}"))
         logger.info("engines ready; %d gateways attaching", count)
+        threading.Thread(
+            target=_say_when_serving, args=(ready, binds), name="group-ready", daemon=True
+        ).start()
         try:
             group.watch(lambda name: note(f"engine {name}"))
             return _supervise(gateways, wake_read, events)
@@ -153,6 +167,14 @@ def serve_group(args: argparse.Namespace, vllm_config: Any) -> int:
         os.close(wake_read)
         os.close(wake_write)
         remove_kv_events_folder(vllm_config)
+
+
+def _say_when_serving(ready: list[Any], binds: list[list[str]]) -> None:
+    """One line once every gateway of the group serves (each says so in its own line)."""
+    for event in ready:
+        event.wait()
+    addresses = " ".join(address for group in binds for address in group)
+    logger.info("serving: all %d gateways of the group, on %s", len(ready), addresses)
 
 
 def _supervise(gateways: list[BaseProcess], wake: int, events: list[str]) -> int:

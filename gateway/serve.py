@@ -15,6 +15,7 @@ import multiprocessing
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from .parent_watch import parent_gone
 from .preflight import UsageError
@@ -89,11 +90,39 @@ def limits_from_args(
     return limits.for_model(max_model_len, multimodal)
 
 
+def serving_line(gateway: Any, engine: Any, args: argparse.Namespace, control: Any) -> str:
+    """The one line that says the gateway serves, and how: where, with which model and
+    limits, CURVE, who may call control operations, routing, metrics."""
+    info = engine.info
+    wl = gateway.table.wire_limits
+    if control.open:
+        who = "open to every client"
+    elif control.allowed_keys:
+        who = f"{len(control.allowed_keys)} CURVE key(s)"
+    else:
+        who = "nobody"
+    routing = engine.routing_stats() if hasattr(engine, "routing_stats") else None
+    route = "vLLM's balancer" if routing is None else routing["policy"]
+    if routing is not None and routing.get("index"):
+        route += f", PrefixQuery index {routing['index']}"
+    metrics = "off" if args.metrics_port is None else f"port {args.metrics_port}"
+    return (
+        f"engine-gateway {gateway_version()} serving {info.model_name} on"
+        f" {' '.join(gateway.addresses)} (CURVE {'on' if gateway.curve_on else 'off'};"
+        f" control calls: {who}; routing: {route}; metrics: {metrics};"
+        f" max_model_len={info.max_model_len}, vocab={info.vocab_size},"
+        f" eos={list(info.eos_token_ids)}, cpu_attention={info.cpu_attention or '-'},"
+        f" max_in_flight={wl.max_in_flight_per_client}/client {wl.max_in_flight_total} total,"
+        f" max_frame_bytes={wl.max_frame_bytes})"
+    )
+
+
 async def run_gateway(
     args: argparse.Namespace,
     engine_args: object,
     vllm_config: object,
     client_config: dict | None = None,
+    ready_event: Any = None,
 ) -> int:
     """Serve until drained or the engine died. ``client_config``: this process is one of
     several gateways on an engine group its supervisor started (gateway/group.py)."""
@@ -119,6 +148,12 @@ async def run_gateway(
                     "--metrics-port", f"{args.metrics_host}:{args.metrics_port}: {exc.strerror}"
                 ) from None
         try:
+            logger.info(
+                "starting the engine for %s: vLLM loads the weights, profiles memory and"
+                " sizes the KV cache (about 30 s for the tiny model on a CPU, minutes for a"
+                " large one); vLLM's own lines follow",
+                model_config.model,
+            )
             async with stoppable_start():  # SIGTERM (and SIGINT) stop it: StopRequested
                 engine = await VllmEngine.start(
                     engine_args,
@@ -191,22 +226,9 @@ async def run_gateway(
             return_when=asyncio.FIRST_COMPLETED,
         )
         if gateway.ready.is_set():
-            info = engine.info
-            wl = gateway.table.wire_limits
-            logger.info(
-                "engine-gateway %s serving %s on %s (max_model_len=%d, vocab=%d, eos=%s,"
-                " cpu_attention=%s, max_in_flight=%d/client %d total, max_frame_bytes=%d)",
-                gateway_version(),
-                info.model_name,
-                " ".join(gateway.addresses),
-                info.max_model_len,
-                info.vocab_size,
-                list(info.eos_token_ids),
-                info.cpu_attention or "-",
-                wl.max_in_flight_per_client,
-                wl.max_in_flight_total,
-                wl.max_frame_bytes,
-            )
+            logger.info("%s", serving_line(gateway, engine, args, control))
+            if ready_event is not None:
+                ready_event.set()
         return await serving
     finally:
         await engine.aclose()

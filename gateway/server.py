@@ -241,6 +241,11 @@ class Gateway:
 
     # ------------------------------------------------------------ main
 
+    @property
+    def curve_on(self) -> bool:
+        """Whether its socket is a CURVE server (known once it serves)."""
+        return self._curve_on
+
     async def serve(self) -> int:
         """Run until stopped; returns the process exit code to use."""
         listener = self._listener or Listener(

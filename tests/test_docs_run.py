@@ -73,3 +73,14 @@ def test_the_block_runs_as_written(docs_gateway, where, language, code, why):
         argv = ["bash", "-euo", "pipefail", "-c", code]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{where}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+def test_the_serving_line_says_how_the_gateway_serves(docs_gateway):
+    """Issue 72 item 3: start-up says what it does, and the one serving line states the
+    address, CURVE, who may call control operations, routing and metrics."""
+    out = docs_gateway.output()
+    assert "starting the engine for" in out
+    (line,) = [line for line in out.splitlines() if " serving " in line and "CURVE" in line]
+    assert docs_gateway.address in line
+    assert "CURVE off" in line and "control calls: open to every client" in line
+    assert "routing: load, PrefixQuery index approximate" in line and "metrics: off" in line

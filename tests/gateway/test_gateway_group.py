@@ -82,6 +82,12 @@ async def test_two_gateways_share_one_engine_and_the_pool_fails_over(gateway_pro
         # Both gateways serve the same engine: same greedy tokens through either one.
         results = [await client.complete([7, 8, 9], GREEDY) for client in pool.clients]
         assert results[0].token_ids == results[1].token_ids
+        # The supervisor says the group serves once both gateways do (issue 72 item 3).
+        async with asyncio.timeout(10):
+            while "serving: all 2 gateways of the group" not in supervisor.output():
+                await asyncio.sleep(0.1)
+        # ... and each gateway says how it serves, in its own line.
+        assert supervisor.output().count("; control calls: open to every client;") == 2
         # Each gateway loads its own adapter under the same name: vLLM tells them apart
         # (their LoRA ids differ; with equal ids gateway 1 got gateway 0's adapter).
         mine = RequestOptions(lora_name="mine")
