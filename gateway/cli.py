@@ -476,8 +476,20 @@ def _check_gateway_flags(argv: list[str]) -> None:
     for name, path in args.lora_module:
         if not Path(path).exists():
             raise UsageError("--lora-module", f"{name}={path}: no such folder")
+    if args.lora_module and not _names_flag(argv, "enable-lora"):
+        raise UsageError("--lora-module", LORA_NEEDS_ENABLE)
     if argv and not argv[0].startswith("-"):  # `serve MODEL ...`, as `vllm serve`
         check_model(argv[0])
+
+
+LORA_NEEDS_ENABLE = "needs --enable-lora (vLLM's flag for LoRA adapters)"
+
+
+def _names_flag(argv: list[str], flag: str) -> bool:
+    """Whether ``argv`` sets vLLM's boolean ``--flag`` (dashes or underscores, as vLLM's
+    parser takes it), or may through a ``--config`` file (then vLLM's parser decides)."""
+    spellings = {f"--{flag}", f"--{flag.replace('-', '_')}"}
+    return any(a in spellings or a.split("=")[0] in spellings or a == "--config" for a in argv)
 
 
 def _preflight(args: argparse.Namespace) -> tuple[object, object]:
@@ -491,7 +503,7 @@ def _preflight(args: argparse.Namespace) -> tuple[object, object]:
 
     check_model(args.model)
     if args.lora_module and not args.enable_lora:
-        raise UsageError("--lora-module", "needs --enable-lora (vLLM's flag for LoRA adapters)")
+        raise UsageError("--lora-module", LORA_NEEDS_ENABLE)
     try:
         engine_args = engine_args_from_namespace(args)
         _choose_routing(args, engine_args)
