@@ -547,3 +547,11 @@ def test_a_client_without_keys_at_a_curve_gateway_is_told_the_likely_cause(curve
         message = str(info.value)
         assert "within 0.5s" in message and "CURVE gateway answers nothing" in message
         assert "load_client_keys" in message
+        # A script that meets it ends with that error alone: no pending-task noise at exit.
+        import subprocess
+        import sys
+
+        script = f"from client import Client; Client({gw.address!r}, timeout_s=0.5)"
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert done.returncode == 1 and "GatewayUnavailable" in done.stderr
+        assert "Task was destroyed" not in done.stderr and "pending" not in done.stderr
