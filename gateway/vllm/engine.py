@@ -531,12 +531,21 @@ class VllmEngine(PrefixRouting, WeightTransferControls, EngineControls):
         counts = getattr(client, "lb_engines", None)
         in_flight = getattr(client, "engine_inflight", None)
         if counts is not None and in_flight is not None:
-            return [
-                EngineLoad(rank, int(running), int(waiting), float(kv), in_flight[identity])
-                for rank, identity, (waiting, running, kv) in zip(
-                    client.engine_ranks_managed, client.core_engines, counts, strict=False
-                )
-            ]
+            # The coordinator's counts are a snapshot (and this client's own placements add
+            # to them until the next): a gateway alone on its engines knows better, since
+            # every request there is one of its own in flight.
+            alone = getattr(client, "client_count", 1) == 1
+            loads = []
+            for rank, identity, (waiting, running, kv) in zip(
+                client.engine_ranks_managed, client.core_engines, counts, strict=False
+            ):
+                mine = in_flight[identity]
+                running, waiting = int(running), int(waiting)
+                if alone:
+                    running = min(running, mine)
+                    waiting = min(waiting, mine - running)
+                loads.append(EngineLoad(rank, running, waiting, float(kv), mine))
+            return loads
         return [
             EngineLoad(s.engine_index, s.running, s.waiting, s.kv_cache_usage, -1)
             for s in self.engine_stats()

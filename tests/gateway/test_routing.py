@@ -464,3 +464,25 @@ def test_a_block_size_of_zero_falls_back_to_load():
     router = cache_router()
     decision = router.choose([1, 0], [0.0, 3.0], 40, 0)
     assert (decision.rank, decision.reason) == (0, "fallback")
+
+
+def test_health_per_rank_is_current_once_every_request_ended():
+    """Issue 72 item 6: the DP coordinator's counts are a snapshot (HealthReply showed
+    running=8 after every request had ended); a gateway alone on its engines bounds them
+    by its own requests in flight there. Gateways of a group keep the snapshot (the others'
+    requests count too)."""
+    from types import SimpleNamespace
+
+    from gateway.vllm.engine import VllmEngine
+
+    engine = VllmEngine.__new__(VllmEngine)
+    for clients, expected in ((1, [(0, 0, 0), (1, 1, 2)]), (2, [(8, 3, 0), (1, 2, 2)])):
+        engine._client = SimpleNamespace(
+            lb_engines=[[3, 8, 0.2], [2, 1, 0.1]],
+            engine_inflight={"e0": 0, "e1": 2},
+            engine_ranks_managed=[0, 1],
+            core_engines=["e0", "e1"],
+            client_count=clients,
+        )
+        loads = engine.engine_load()
+        assert [(e.running, e.waiting, e.in_flight) for e in loads] == expected
