@@ -166,6 +166,13 @@ async def run_gateway(
             engine.weight_buffers = WeightBufferFolder(
                 args.weight_buffer_dir, args.weight_arena_mb << 20
             )
+            cache = vllm_config.cache_config
+            logger.info(
+                "engine up: %d data-parallel rank(s), %s KV-cache blocks of %s tokens",
+                vllm_config.parallel_config.data_parallel_size,
+                cache.num_gpu_blocks,
+                cache.block_size,
+            )
         except LoraModuleRefused as exc:  # the engine stopped again: a bad command line
             raise UsageError("--lora-module", str(exc)) from None
         except Exception as exc:

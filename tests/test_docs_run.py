@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.M | re.S)
+_BLOCK = re.compile(r"^( *)```(python|bash)\n(.*?)^\1```", re.M | re.S)  # (in a list too)
 _NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
 ADDRESS = "tcp://127.0.0.1:5557"
 
@@ -31,7 +32,8 @@ def blocks() -> list[tuple[str, str, str, str | None]]:
             why = _NOT_RUN.search(before)
             line = text[: match.start()].count("\n") + 1
             where = f"{doc.relative_to(ROOT)}:{line}"
-            found.append((where, match.group(1), match.group(2), why and why.group(1)))
+            code = textwrap.dedent(match.group(3))
+            found.append((where, match.group(2), code, why and why.group(1)))
     return found
 
 
@@ -79,7 +81,7 @@ def test_the_serving_line_says_how_the_gateway_serves(docs_gateway):
     """Issue 72 item 3: start-up says what it does, and the one serving line states the
     address, CURVE, who may call control operations, routing and metrics."""
     out = docs_gateway.output()
-    assert "starting the engine for" in out
+    assert "starting the engine for" in out and "engine up: 1 data-parallel rank(s)" in out
     (line,) = [line for line in out.splitlines() if " serving " in line and "CURVE" in line]
     assert docs_gateway.address in line
     assert "CURVE off" in line and "control calls: open to every client" in line
