@@ -486,3 +486,39 @@ def test_health_per_rank_is_current_once_every_request_ended():
         )
         loads = engine.engine_load()
         assert [(e.running, e.waiting, e.in_flight) for e in loads] == expected
+
+
+def test_the_defaults_and_the_reusable_blocks_rule():
+    """Mutants an AST mutation run left alive: the default index per gateway count, vLLM's
+    rule that the last prompt token is always computed, and --routing flags read as given."""
+    from types import SimpleNamespace
+
+    from gateway.routing import default_routing_index, reusable_blocks
+
+    assert [default_routing_index(n) for n in (1, 2, 4)] == ["approximate", "events", "events"]
+    assert reusable_blocks(4, 4 * BLOCK, BLOCK) == 3  # the last token is computed
+    assert reusable_blocks(4, 4 * BLOCK + 1, BLOCK) == 4
+    assert reusable_blocks(9, 2 * BLOCK + 1, BLOCK) == 2 and reusable_blocks(1, 0, BLOCK) == 0
+    args = SimpleNamespace(
+        routing="cache", routing_prefix_weight=4.0, routing_guard=(2.0, 3.0),
+        routing_max_blocks=64, routing_by_default=True, routing_index=None, gateway_count=2,
+    )  # fmt: skip
+    config = RoutingConfig.from_args(args)
+    assert (config.policy, config.prefix_weight, config.guard_ratio, config.guard_slack) == (
+        "cache", 4.0, 2.0, 3.0,
+    )  # fmt: skip
+    assert (config.max_prefix_blocks, config.by_default, config.index) == (64, True, "events")
+    args.routing_index, args.gateway_count = "approximate", 1
+    assert RoutingConfig.from_args(args).index == "approximate"
+
+
+def test_one_matched_block_counts_and_an_owners_reused_key_is_kept():
+    """One reusable block is a match (not load); a key its owner uses again is its newest,
+    so the owner's budget pushes out its oldest other key."""
+    router = cache_router()
+    decision = router.choose([1, 0], [0.0, 0.0], 2 * BLOCK + 1, BLOCK)
+    assert (decision.rank, decision.reason, decision.predicted_blocks) == (0, "matched", 1)
+    router = cache_router(sticky_keys=100, sticky_keys_per_client=2)
+    for key in ("o:a", "o:b", "o:a", "o:c"):
+        router.choose([0, 0], [0.0, 0.0], 40, BLOCK, routing_key=key)
+    assert list(router._owned["o"]) == ["o:a", "o:c"]  # "o:b" went, the reused "o:a" stayed
