@@ -197,3 +197,32 @@ def test_bounded_types_keep_the_wire_types_rules():
     item = MultimodalItem("image", "h", 0, 2)  # no mask: every position takes embeddings
     msg = decode_client(encode(Generate("r", [1, 2], multimodal=[item])), BIG, BOUNDS)
     assert msg.multimodal[0].is_embed is None
+
+
+def test_a_gateways_bounds_come_from_the_limits_it_announces():
+    from codec import Limits
+    from codec.bounds import kv_params_given
+
+    limits = Limits(
+        max_prompt_tokens=100, max_in_flight_per_client=1, max_in_flight_total=1,
+        max_frame_bytes=1, max_abort_ids=7, max_logprobs=1, max_stop_sequences=3,
+        max_stop_sequence_len=4, max_bad_words=5, max_bad_word_len=6,
+    )  # fmt: skip
+    bounds = WireBounds.of(limits, 321)
+    assert bounds == WireBounds(100, 321, None, 7, 3, 4, 5, 6)  # no items: not by count
+    with_items = WireBounds.of(msgspec.structs.replace(limits, max_multimodal_items=2), 321)
+    assert with_items.max_multimodal_items == 2
+    raw_nil = msgspec.msgpack.decode(b"\xc0", type=msgspec.Raw)
+    raw_map = msgspec.msgpack.decode(msgspec.msgpack.encode({"a": 1}), type=msgspec.Raw)
+    given = [
+        kv_params_given(options)
+        for options in (
+            None,
+            RequestOptions(),
+            RequestOptions(kv_transfer_params=raw_nil),
+            RequestOptions(kv_transfer_params=raw_map),
+            RequestOptions(kv_transfer_params={"a": 1}),
+        )
+    ]
+    assert given == [False, False, False, True, True]
+    assert decode_kv_params(raw_map) == {"a": 1}
