@@ -34,6 +34,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from codec import (
     CONTROL_MESSAGES,
@@ -150,7 +151,11 @@ class SessionTable:
         # Items held for resending by hash, and the model-free item checks.
         self.multimodal = _multimodal_store(limits, info)
         self.wire_limits = wire_limits(limits, info, self.multimodal is not None)
-        self._handlers: dict[type, Callable[[bytes, object, float], Effects]] = {
+        self._handlers = self._message_handlers()
+
+    def _message_handlers(self) -> dict[type, Callable[[bytes, Any, float], Effects]]:
+        """Each client message's handler (on_message), by wire type."""
+        return {
             Hello: self._on_hello,
             Generate: self._on_generate,
             Abort: self._on_abort,
