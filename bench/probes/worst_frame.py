@@ -25,6 +25,8 @@ import msgspec
 from codec import MultimodalItem, ProtocolError, Tensor, decode_client
 from codec.bounds import WireBounds
 from codec.messages import MAX_ITEM_TENSORS, MAX_TENSOR_DIMS
+from gateway.engine import EngineInfo
+from gateway.limits import wire_limits
 from gateway.sessions import GatewayLimits, frame_limit_for
 
 
@@ -41,16 +43,9 @@ def worst_frames(max_model_len: int, vocab: int) -> dict[str, tuple[bytes, WireB
     defaults = GatewayLimits()
     text = defaults.for_model(max_model_len)
     images = defaults.for_model(max_model_len, multimodal=True)
-    bounds = WireBounds(
-        max_prompt_tokens=max_model_len,
-        vocab_size=vocab,
-        max_multimodal_items=defaults.max_multimodal_items,
-        max_abort_ids=defaults.max_abort_ids,
-        max_stop_sequences=defaults.max_stop_sequences,
-        max_stop_sequence_len=defaults.max_stop_sequence_len,
-        max_bad_words=defaults.max_bad_words,
-        max_bad_word_len=defaults.max_bad_word_len,
-    )
+    # The bounds a multimodal model's gateway decodes with (as gateway.server builds them).
+    info = EngineInfo("probe", max_model_len, vocab, (0,), max_logprobs=20, max_num_seqs=256)
+    bounds = WireBounds.of(wire_limits(images, info, multimodal=True), vocab)
     big = 70_000  # an id past 2^16: three msgpack bytes, a Python int object each
     sampling = {
         "stop_token_ids": [big] * vocab,
