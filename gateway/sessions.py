@@ -452,16 +452,17 @@ class SessionTable:
         if client is None:
             error = Error(None, ErrorCode.HANDSHAKE_REQUIRED, _HELLO_FIRST[Abort], msg.call_id)
             return Effects(replies=[(client_id, error)])
-        ids = list(client.requests) if msg.request_ids is None else msg.request_ids
-        if len(ids) > self.wire_limits.max_abort_ids:
+        # The bound is on the list the client sent; nil aborts every live request, however many.
+        if msg.request_ids is not None and len(msg.request_ids) > self.wire_limits.max_abort_ids:
             error = Error(
                 None,
                 ErrorCode.INVALID_MESSAGE,
-                f"Abort.request_ids has {len(ids)} ids; the limit is"
+                f"Abort.request_ids has {len(msg.request_ids)} ids; the limit is"
                 f" {self.wire_limits.max_abort_ids}",
                 msg.call_id,
             )
             return Effects(replies=[(client_id, error)])
+        ids = list(client.requests) if msg.request_ids is None else msg.request_ids
         effects = Effects()
         aborted: list[Request] = []
         unknown: list[str] = []

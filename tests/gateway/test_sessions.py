@@ -212,6 +212,17 @@ def test_abort_with_too_many_ids_is_refused():
     assert err.code is ErrorCode.INVALID_MESSAGE and "limit is 2" in err.message
 
 
+def test_abort_all_ends_more_live_requests_than_max_abort_ids():
+    h = TableHarness(GatewayLimits(max_abort_ids=2))
+    hello(h, A)
+    for request_id in ("a1", "a2", "a3"):
+        h.send(A, Generate(request_id, [5]))
+    h.send(A, Abort(None))
+    terminal, ack = h.take(A)
+    assert sorted(ack.aborted) == ["a1", "a2", "a3"] and len(terminal.outputs) == 3
+    assert h.table.live_requests == 0
+
+
 def test_n_samples_each_get_a_terminal_and_the_request_ends_with_the_last():
     h = TableHarness()
     hello(h, A)
