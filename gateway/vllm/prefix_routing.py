@@ -127,9 +127,8 @@ class PrefixRouting:
         a gateway nobody queries does not follow every request's tokens (~0.1 µs a token
         at the zero-compute ceiling) for nothing."""
         router = self.router
-        if router is not None and router.config.policy == "cache":
-            return router.config.index == "approximate"
-        return self.prefix_index is None and self._prefix_queried
+        routes_by_cache = router is not None and router.config.policy == "cache"
+        return self._reads_approximate() and (routes_by_cache or self._prefix_queried)
 
     def _route(self, core_request: Any, routing_key: str | None) -> Decision | None:
         """Choose the rank of an unpinned request (sets ``data_parallel_rank``). A request
@@ -141,13 +140,11 @@ class PrefixRouting:
         noting = self._notes_placements()
         if router.ranks == 1:  # nothing to choose; noted before it is sent (outputs follow)
             if noting:
-                _, placed = self._approximate_hashes(core_request)
-                self._record_placement(core_request, 0, placed)
+                self._note_placement(core_request, 0)
             return None
         if core_request.data_parallel_rank is not None:
             if noting:  # its prompt will be cached where it was pinned: note it
-                _, placed = self._approximate_hashes(core_request)
-                self._record_placement(core_request, core_request.data_parallel_rank, placed)
+                self._note_placement(core_request, core_request.data_parallel_rank)
             return None
         placed: list | None = None  # approximate: the prompt's block hashes, to record
         if router.config.policy != "cache":
@@ -189,6 +186,11 @@ class PrefixRouting:
         prompt = core_request.prompt_token_ids or ()
         sequences.start(core_request.request_id, rank, prompt, placed, seed)
 
+    def _note_placement(self, core_request: Any, rank: int) -> None:
+        """``_record_placement`` of a request whose prompt was not hashed while routing."""
+        _, placed = self._approximate_hashes(core_request)
+        self._record_placement(core_request, rank, placed)
+
     def _placed_by_engine_client(self, core_request: Any) -> None:
         """A request submitted over several ranks without one from the gateway (vLLM's
         balancer chose): noted on the rank it went to, for PrefixQuery."""
@@ -202,8 +204,7 @@ class PrefixRouting:
         engines = getattr(self._client, "core_engines", [])
         rank = engines.index(chosen) if chosen in engines else None
         if rank is not None:
-            _, placed = self._approximate_hashes(core_request)
-            self._record_placement(core_request, rank, placed)
+            self._note_placement(core_request, rank)
 
     def _follow_generation(self, outputs: Any) -> None:
         """Approximate index: each step's tokens of the requests it placed; an ended
