@@ -255,17 +255,19 @@ class Conversation:
                 delta = delta[len(token) :]
         return delta
 
+    def _special_texts(self) -> set[str]:
+        """The special and added tokens' texts."""
+        tokenizer = self.tokenizer
+        texts = tokenizer.all_special_tokens | {*tokenizer.added_token_text.values()}
+        return {text for text in texts if text}
+
     def _trailing_special(self, text: str) -> str | None:
         """The special (or added) token ``text`` ends with, the longest, if any."""
-        tokens = self.tokenizer.all_special_tokens | set(self.tokenizer.added_token_text.values())
-        found = [token for token in tokens if token and text.endswith(token)]
-        return max(found, key=len) if found else None
+        return max(filter(text.endswith, self._special_texts()), key=len, default=None)
 
     def _leading_special(self, text: str) -> str | None:
         """The special (or added) token ``text`` starts with, the longest, if any."""
-        tokens = self.tokenizer.all_special_tokens | set(self.tokenizer.added_token_text.values())
-        found = [token for token in tokens if token and text.startswith(token)]
-        return max(found, key=len) if found else None
+        return max(filter(text.startswith, self._special_texts()), key=len, default=None)
 
     def _new_divergences(self, messages: list[dict[str, Any]], delta: str) -> list[Divergence]:
         """Where the template's rendering of the whole conversation with ``messages``
