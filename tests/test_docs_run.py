@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from tests.test_docs import DOCS, ROOT
+
 _BLOCK = re.compile(r"^( *)```(python|bash)\n(.*?)^\1```", re.M | re.S)  # (in a list too)
 _NOT_RUN = re.compile(r"<!-- not run: (.+?) -->\s*$")
 ADDRESS = "tcp://127.0.0.1:5557"
