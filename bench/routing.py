@@ -383,7 +383,7 @@ async def measure(args: argparse.Namespace) -> list[dict]:
         policies = [p for p in named if p != "ceiling" and p not in POOL_POLICIES]
         if policies:
             layouts.append((2, per_rank, policies))
-        if "ceiling" in args.policies.split(","):
+        if "ceiling" in named:
             layouts.append((1, 2 * per_rank, ["ceiling"]))
         for ranks, blocks, layout_policies in layouts:
             if ranks == 2:
