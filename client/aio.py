@@ -389,9 +389,12 @@ class AsyncClient(CompletionCalls):
         if self._closed:
             return
         if self._sock is not None and self.connected:
+            # Goodbye first: the session ends now, not when its heartbeat lapses. Were the
+            # Abort first, its answers could reach a socket already closed, and the gateway
+            # would end the session as unreachable before it read the Goodbye.
+            self._send(Goodbye())
             if self._streams:
                 self._send(Abort(None))  # (a gateway older than Goodbye ends them so)
-            self._send(Goodbye())  # the session ends now, not when its heartbeat lapses
         self._closed = True
         for task in self._tasks:
             task.cancel()
