@@ -80,8 +80,15 @@ def test_the_block_runs_as_written(docs_gateway, where, language, code, why):
 def test_the_serving_line_says_how_the_gateway_serves(docs_gateway):
     """Issue 72 item 3: start-up says what it does, and the one serving line states the
     address, CURVE, who may call control operations, routing and metrics."""
-    out = docs_gateway.output()
+    deadline = time.monotonic() + 30  # ready answers health before its line reaches the pipe
+    while "; control calls: " not in (out := docs_gateway.output()):
+        assert time.monotonic() < deadline, out[-3000:]
+        time.sleep(0.1)
     assert "starting the engine for" in out and "engine up: 1 data-parallel rank(s)" in out
+    phases = [line for line in out.splitlines() if "engine-gateway start-up, rank 0: " in line]
+    said = [line.split("rank 0: ", 1)[1] for line in phases]
+    assert [s.split()[0] for s in said] == ["loading", "weights", "KV", "up"], phases
+    assert re.fullmatch(r"KV cache of \d+ blocks of \d+ tokens; warming the model up", said[2])
     (line,) = [line for line in out.splitlines() if " serving " in line and "CURVE" in line]
     assert docs_gateway.address in line
     assert "CURVE off" in line and "control calls: open to every client" in line

@@ -33,6 +33,7 @@ from .checked_files import copy_regular_tree, regular_files_linked
 from .deaths import write_death_report
 from .kv_event_batches import batch_kv_events_when_asked
 from .layerwise import abandon_reload, checkpoint_shapes, dry_run_load, layer_processing
+from .start_up_phases import announce_start_up_phases
 from .weight_updates import (
     RELOAD_PART_WAY,
     UPDATE_OPEN,
@@ -88,6 +89,8 @@ def load_vllm_plugin() -> None:
     - Weight updates through vLLM's weight-transfer API never leave a half-updated model
       serving unknowingly (``weight_updates``), and the ``cpu`` backend is registered
       (``cpu_transfer``: ``--weight-transfer-config '{"backend": "cpu"}'``).
+    - Each engine rank's start-up says, one line per phase, what it is doing: loading the
+      weights, profiling memory, warming up, up (``start_up_phases``).
     """
     ignore_terminal_interrupt()  # under a gateway: it drains on Ctrl-C, not the engines
     _stop_engine_core_with_its_parent()
@@ -103,6 +106,7 @@ def load_vllm_plugin() -> None:
     batch_kv_events_when_asked()
     _count_encoder_cache_hits()
     vision_encoders_without_pixtral()
+    announce_start_up_phases()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

@@ -224,6 +224,9 @@ async def test_stats_per_rank_then_one_engine_killed_ends_every_request_and_exit
         # No --routing: two ranks route by cache (the default; one gateway: approximate index).
         reply = await client.prefix_query(list(range(4, 100)))
         assert reply.routing == "cache" and len(reply.matched_tokens) == 2, reply
+        # Each rank said, on its own line, that it was up (issue 72 item 3).
+        for rank in (0, 1):
+            assert f"engine-gateway start-up, rank {rank}: up (" in gw.output()
 
         loop = asyncio.get_running_loop()
         started = loop.time()
