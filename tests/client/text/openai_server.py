@@ -41,11 +41,12 @@ class OpenAIServer:
     """`python -m bench.vllm_cli serve MODEL` with the engine settings of the tests' engines
     (eager, seed 0, max_model_len); always stopped."""
 
-    def __init__(self, model: str, max_model_len: int):
+    def __init__(self, model: str, max_model_len: int, *extra: str, env: dict | None = None):
+        """``extra``: more ``vllm serve`` flags; ``env``: more environment variables."""
         self.model = model
         self.port = _free_port()
         self.log = Path(tempfile.mkdtemp(prefix="eg-openai-")) / "serve.log"
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
@@ -55,7 +56,7 @@ class OpenAIServer:
                     "--enforce-eager", "--gpu-memory-utilization", "0.2",
                     "--max-model-len", str(max_model_len), "--seed", "0",
                     "--kv-cache-memory-bytes", str(TEST_KV_CACHE_BYTES),
-                    "--disable-log-stats", "--uvicorn-log-level", "warning",
+                    "--disable-log-stats", "--uvicorn-log-level", "warning", *extra,
                 ],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, process_group=0,
             )  # fmt: skip

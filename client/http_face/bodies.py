@@ -1,0 +1,214 @@
+"""Request bodies of vLLM's routes, checked as vLLM's pydantic models check them, into the
+gateway's SamplingParams and RequestOptions.
+
+As vLLM, a field this surface does not know is ignored. A field vLLM knows but the face
+cannot serve over token ids (stop strings without a tokenizer, structured outputs,
+multimodal features, routed experts, ...) is refused with a 400 naming it, never dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from codec import RequestOptions, SamplingParams
+
+__all__ = ["HttpError", "GenerateBody", "parse_generate", "sampling_from", "options_from"]
+
+MAX_REQUEST_ID_CHARS = 256  # a caller's request id is echoed back and logged: bounded
+
+
+class HttpError(Exception):
+    """An answer in vLLM's error shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind or _KINDS.get(status, "BadRequestError")
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+_KINDS = {
+    400: "BadRequestError",
+    401: "Unauthorized",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class GenerateBody(msgspec.Struct, frozen=True):
+    """vLLM 0.32's ``GenerateRequest`` (scale_out/token_in_token_out/protocol.py)."""
+
+    token_ids: list[int]
+    sampling_params: dict[str, Any]
+    request_id: str | None = None
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    output_mode: str = "tokens"
+    return_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    # Fields vLLM knows that the face cannot serve: refused when given.
+    features: Any = None
+    content_parts: Any = None
+    ec_transfer_params: Any = None
+    reasoning_ended: Any = None
+    reasoning_parser_kwargs: Any = None
+    token_offsets: Any = None  # renderer metadata: accepted, unused
+
+
+_UNSERVED_REQUEST_FIELDS = {
+    "features": "multimodal features (send images through the native client: docs/IMAGES.md)",
+    "content_parts": "multimodal content parts (docs/IMAGES.md: the native client)",
+    "ec_transfer_params": "encoder-cache disaggregation",
+    "reasoning_ended": "structured outputs (reasoning parser state)",
+    "reasoning_parser_kwargs": "structured outputs (reasoning parser)",
+}
+
+# vLLM SamplingParams fields the gateway takes as they are (not its own stop sequences).
+_GATEWAY_ONLY = {"stop_token_sequences", "include_stop_sequence", "hold_back_stop_sequences"}
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__) - _GATEWAY_ONLY
+# vLLM fields the gateway does not serve, and the value that means "not used".
+_UNSERVED_SAMPLING: dict[str, tuple[Any, str]] = {
+    "stop": ((None, []), "stop strings need a tokenizer: use stop_token_ids"),
+    "bad_words": ((None, []), "bad_words are strings: send bad_words_token_ids"),
+    "include_stop_str_in_output": ((None, False), "stop strings need a tokenizer"),
+    "structured_outputs": ((None,), "structured outputs are not served by the gateway"),
+    "logprob_token_ids": ((None,), "logprobs of chosen token ids are not served"),
+    "prompt_logprob_token_ids": ((None,), "prompt logprobs of chosen ids are not served"),
+    "prompt_logprob_start": ((None, 0), "prompt_logprob_start is not served"),
+    "flat_logprobs": ((None, False), "flat logprobs are not served"),
+    "repetition_detection": ((None,), "repetition detection is not served"),
+    "thinking_token_budget": ((None,), "thinking token budgets are not served"),
+    "watermarking": ((None,), "watermarking is not served"),
+    "extra_args": ((None, {}), "extra_args reach no engine through the gateway"),
+    "routed_experts_prompt_start": ((None,), "routed experts are not served"),
+    "trace_decode_token_ids": ((None, False), "decode traces are not served"),
+}
+
+
+def _decode_error(exc: msgspec.MsgspecError) -> HttpError:
+    message = str(exc)
+    param = None
+    if "at `$." in message:
+        param = "body." + message.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0]
+    elif message.startswith("Object missing required field `"):
+        param = "body." + message.split("`")[1]
+    return HttpError(400, message, kind="Bad Request", param=param)
+
+
+def parse_generate(raw: bytes) -> GenerateBody:
+    """The body of ``/inference/v1/generate``, or an HttpError as vLLM answers it."""
+    try:
+        body = msgspec.json.decode(raw, type=GenerateBody)
+    except msgspec.MsgspecError as exc:
+        raise _decode_error(exc) from None
+    if not body.token_ids:
+        raise HttpError(
+            400, "token_ids must have at least 1 item", kind="Bad Request", param="body.token_ids"
+        )
+    if any(t < 0 for t in body.token_ids):
+        raise HttpError(
+            400,
+            "token_ids must not contain negative values",
+            kind="Bad Request",
+            param="body.token_ids",
+        )
+    for name, what in _UNSERVED_REQUEST_FIELDS.items():
+        if getattr(body, name) is not None:
+            raise HttpError(400, f"{name}: {what}; not served by engine-gateway", param=name)
+    if body.request_id is not None and len(body.request_id) > MAX_REQUEST_ID_CHARS:
+        raise HttpError(400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters")
+    if body.output_mode not in ("tokens", "text"):
+        raise HttpError(400, f"output_mode must be 'tokens' or 'text', got {body.output_mode!r}")
+    if body.output_mode == "text":
+        raise HttpError(
+            400,
+            "output_mode='text' requires a tokenizer, but this server does not load one."
+            " Use output_mode='tokens' (detokenize on the client: client.text).",
+            param="output_mode",
+        )
+    return body
+
+
+def sampling_from(fields: dict[str, Any]) -> SamplingParams:
+    """vLLM's sampling_params object as the gateway's SamplingParams (the gateway checks
+    the values as vLLM does); HttpError for a field it cannot serve or a wrong type."""
+    taken: dict[str, Any] = {}
+    for name, value in fields.items():
+        if name in _SAMPLING_FIELDS:
+            taken[name] = value
+        elif name in _UNSERVED_SAMPLING:
+            unused, why = _UNSERVED_SAMPLING[name]
+            if value not in unused:
+                raise HttpError(400, f"sampling_params.{name}: {why}", param=name)
+        elif name == "detokenize" and value is not False and value is not True:
+            raise HttpError(400, "sampling_params.detokenize must be a boolean", param=name)
+        # Anything else is ignored, as vLLM ignores it: a field that only shapes text
+        # (skip_special_tokens, ...), which this token-id surface never makes, or one
+        # vLLM does not know.
+    if isinstance(taken.get("logit_bias"), dict):
+        taken["logit_bias"] = _int_keyed(taken["logit_bias"])
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        value = taken.get(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise HttpError(400, f"sampling_params.{name} must be finite", param=name)
+    try:
+        return msgspec.convert(taken, SamplingParams, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc).replace("at `$.", "at `sampling_params.")
+        raise HttpError(400, message, kind="Bad Request", param="body.sampling_params") from None
+
+
+def _int_keyed(bias: dict[Any, Any]) -> dict[Any, Any]:
+    """logit_bias arrives with string keys (JSON): vLLM reads them as token ids."""
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise HttpError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+
+
+def options_from(
+    body: GenerateBody, lora_name: str | None, routing_key: str | None
+) -> RequestOptions | None:
+    """The request-level fields as RequestOptions (None when all are defaults)."""
+    kv = body.kv_transfer_params
+    if (
+        body.priority == 0
+        and body.cache_salt is None
+        and kv is None
+        and lora_name is None
+        and routing_key is None
+    ):
+        return None
+    return RequestOptions(
+        priority=body.priority,
+        cache_salt=body.cache_salt,
+        kv_transfer_params=kv,
+        lora_name=lora_name,
+        routing_key=routing_key,
+    )

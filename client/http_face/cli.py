@@ -1,0 +1,116 @@
+"""``engine-gateway http``: vLLM's HTTP routes for RL frameworks, over one or more gateways.
+
+    engine-gateway http --gateway tcp://127.0.0.1:5557 --port 8000 --api-key "$TOKEN"
+
+A framework that talks to ``vllm serve`` points its base URL at ``http://HOST:PORT``
+(docs/FRAMEWORKS.md). Control routes (pause, weights, LoRA) need ``--api-key`` and a
+gateway that allows this face's key (``--client-key``'s public half in the gateway's
+``--control-key``, or ``--control-open``). Needs the ``http`` extra (aiohttp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+__all__ = ["http_main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="engine-gateway http",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--gateway",
+        action="append",
+        required=True,
+        metavar="ADDR",
+        help="a gateway's address (repeat for a pool: requests go to the least loaded)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="the operator's bearer token (default: $VLLM_API_KEY); control routes need it",
+    )
+    parser.add_argument("--served-model-name", help="the model's name in requests and /v1/models")
+    parser.add_argument("--server-key", metavar="FILE", help="the gateways' public CURVE key")
+    parser.add_argument("--client-key", metavar="FILE", help="this face's CURVE key_secret")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="seconds to wait for a gateway"
+    )
+    return parser
+
+
+async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes] | None) -> int:
+    from client.pool import GatewayPool
+
+    from .app import HttpFace, serving
+
+    logger = logging.getLogger("engine_gateway.http")
+    async with GatewayPool(
+        args.gateway,
+        name="http-face",
+        curve_keys=curve_keys,
+        connect_timeout_s=args.connect_timeout,
+    ) as pool:
+        up = next(c for c in pool.clients if c.connected)
+        info = await up.model_info()
+        face = HttpFace(
+            pool, info.model, served_model_name=args.served_model_name, api_key=args.api_key
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        async with serving(face, args.host, args.port) as port:
+            logger.info(
+                "serving vLLM's routes for %s on http://%s:%d over %s (control routes: %s)",
+                face.model_name,
+                args.host,
+                port,
+                ", ".join(args.gateway),
+                "need the bearer token" if args.api_key else "refused: no --api-key",
+            )
+            await stop.wait()
+    return 0
+
+
+def http_main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        parser.error("needs aiohttp: pip install 'engine-gateway[http]'")
+    if bool(args.server_key) != bool(args.client_key):
+        parser.error("--server-key and --client-key go together (a CURVE gateway needs both)")
+    curve_keys = None
+    if args.server_key:
+        from client.keys import load_client_keys
+
+        try:
+            curve_keys = load_client_keys(args.server_key, args.client_key)
+        except (OSError, ValueError) as exc:
+            parser.error(f"CURVE keys: {exc}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    from client.errors import GatewayUnavailable
+
+    try:
+        return asyncio.run(_serve(args, curve_keys))
+    except GatewayUnavailable as exc:
+        print(f"engine-gateway http: {exc}", file=sys.stderr)
+        return 3

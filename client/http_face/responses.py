@@ -1,0 +1,192 @@
+"""The gateway's outputs in vLLM 0.32's response shapes for ``/inference/v1/generate``
+(``GenerateTokensResponse`` and its SSE chunks), field for field.
+
+One addition: each logprob entry also carries ``"token": "token_id:N"``, the form vLLM's
+servers sent before PR #58181 and that the ``renderers`` package (verifiers, prime-rl)
+still requires; vLLM's own fields (``token_id``, ``logprob``, ``rank``) are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from client.results import Completion
+from codec import FinishReason, Logprobs, RequestOutput, WeightVersionSpan
+
+__all__ = [
+    "finish_reason_name",
+    "generate_response",
+    "stream_chunk",
+    "usage",
+    "logprobs_content",
+    "weight_spans",
+]
+
+_FINISH_NAMES = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+    FinishReason.REPETITION: "repetition",
+    FinishReason.TIMED_OUT: "abort",  # no such reason in vLLM: the request was cut short
+}
+LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf and NaN
+
+
+def finish_reason_name(reason: FinishReason) -> str:
+    return _FINISH_NAMES.get(reason, "abort")
+
+
+def _clamp(logprob: float) -> float:
+    return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
+
+
+def logprobs_content(logprobs: Logprobs, top: int) -> list[dict[str, Any]]:
+    """vLLM's ``GenerateLogProbs.content`` for ``logprobs=top`` (-1: every candidate): per
+    token the sampled entry, and its candidates in the engine's order (the sampled token
+    first, each id once) cut to ``max(top, 1)``."""
+    content = []
+    keep = None if top == -1 else max(top, 1)
+    for row_ids, row_logprobs, sampled_rank in zip(
+        logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True
+    ):
+        # As vLLM's frontend builds its dict: an id met again (the sampled token among the
+        # top-k) keeps its first place and takes the later entry's values (its top-k rank).
+        candidates: dict[int, tuple[float, int]] = {}
+        for j, (token_id, logprob) in enumerate(zip(row_ids, row_logprobs, strict=True)):
+            candidates[token_id] = (logprob, sampled_rank if j == 0 else j)
+        sampled = row_ids[0]
+        logprob, rank = candidates[sampled]
+        entries = list(candidates.items())[:keep]
+        content.append(
+            {
+                "token_id": sampled,
+                "logprob": _clamp(logprob),
+                "rank": rank or None,
+                "top_logprobs": [
+                    {
+                        "token_id": t,
+                        "logprob": _clamp(lp),
+                        "rank": r or None,
+                        "token": f"token_id:{t}",
+                    }
+                    for t, (lp, r) in entries
+                ],
+                "token": f"token_id:{sampled}",
+            }
+        )
+    return content
+
+
+def weight_spans(spans: list[WeightVersionSpan] | None) -> list[dict[str, Any]] | None:
+    """vLLM's ``WeightVersionSpan``s: ``{version, start, end}`` over output-token indexes."""
+    if spans is None:
+        return None
+    return [
+        {"version": s.version, "start": s.first_token, "end": s.first_token + s.num_tokens}
+        for s in spans
+    ]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def generate_response(
+    request_id: str,
+    model: str,
+    created: int,
+    completions: list[Completion],
+    prompt_token_ids: list[int],
+    *,
+    top_logprobs: int | None,
+    return_token_ids: bool,
+) -> dict[str, Any]:
+    """A whole ``GenerateTokensResponse``: one choice per sample, by index."""
+    choices = []
+    generated = 0
+    for c in completions:
+        logprobs = None
+        if top_logprobs is not None:
+            rows = c.logprobs or Logprobs([], [], [])
+            logprobs = {"content": logprobs_content(rows, top_logprobs)}
+        choices.append(
+            {
+                "index": c.index,
+                "finish_reason": finish_reason_name(c.finish_reason),
+                "stop_reason": _stop_reason(c.stop_reason),
+                "token_ids": c.token_ids,
+                "routed_experts": None,
+                "sampling_mask": None,
+                "weight_versions": weight_spans(c.weight_versions),
+                "logprobs": logprobs,
+            }
+        )
+        generated += len(c.token_ids)
+    prompt = completions[0].prompt_tokens if completions else len(prompt_token_ids)
+    return {
+        "request_id": request_id,
+        "model": model,
+        "created": created,
+        "usage": usage(prompt, generated),
+        "prompt_logprobs": None,
+        "prompt_token_id_logprobs": None,
+        "prompt_token_ids": prompt_token_ids if return_token_ids else None,
+        "mm_placeholders": None,
+        "metrics": None,
+        "kv_transfer_params": next(
+            (c.kv_transfer_params for c in completions if c.kv_transfer_params), None
+        ),
+        "ec_transfer_params": None,
+        "output_mode": "tokens",
+        "choices": choices,
+    }
+
+
+def _stop_reason(reason: int | list[int] | None) -> int | None:
+    """vLLM's stop_reason: the stop token id; a gateway stop sequence (a list) has no
+    counterpart there (the face never asks for one), so it reads as its last id."""
+    if isinstance(reason, list):
+        return reason[-1] if reason else None
+    return reason
+
+
+def stream_chunk(
+    request_id: str,
+    out: RequestOutput,
+    *,
+    top_logprobs: int | None,
+    prompt_token_ids: list[int] | None,
+    running_usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One SSE chunk of ``GenerateTokensStreamResponse``, for one sample's output."""
+    fin = out.finished
+    logprobs = None
+    if top_logprobs is not None:
+        rows = out.logprobs or Logprobs([], [], [])
+        logprobs = {"content": logprobs_content(rows, top_logprobs)}
+    chunk: dict[str, Any] = {"request_id": request_id, "usage": running_usage}
+    if prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = prompt_token_ids
+        chunk["mm_placeholders"] = None
+    chunk["output_mode"] = "tokens"
+    chunk["choices"] = [
+        {
+            "index": out.index,
+            "finish_reason": finish_reason_name(fin.finish_reason) if fin else None,
+            "stop_reason": _stop_reason(fin.stop_reason) if fin else None,
+            "token_ids": out.new_token_ids,
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": weight_spans(fin.weight_versions) if fin else None,
+            "logprobs": logprobs,
+        }
+    ]
+    return chunk
