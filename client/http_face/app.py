@@ -355,8 +355,10 @@ class HttpFace:
             path = body["weight_dir"]
             if not isinstance(path, str) or not path:
                 raise HttpError(400, "weight_dir must be a folder path", param="weight_dir")
-            version = body.get("weight_version")
-            if version is not None and not isinstance(version, str):
+            # The weights' version names the folder unless the body names one: outputs
+            # across the reload then report two spans (the same name would merge them).
+            version = body.get("weight_version", path)
+            if not isinstance(version, str) or not version:
                 raise HttpError(400, "weight_version must be a string", param="weight_version")
             await self.on_every_gateway(lambda c: c.reload_weights(path, version=version))
             return _json({"status": "ok", "message": "Weights updated"})

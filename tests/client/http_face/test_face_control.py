@@ -1,0 +1,159 @@
+"""The face's control routes as prime-rl's admin client calls them (issue 69 item 3): pause
+keep, update_weights from a second checkpoint, resume with a request in flight, a LoRA loaded
+by the same name twice; and who may call them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from tests.client.http_face.conftest import AUTH, TOKEN, Http, face_over
+from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
+
+pytestmark = pytest.mark.engine
+
+GREEDY = {"temperature": 0.0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+async def face():
+    from gateway.auth import ControlPolicy
+
+    async with (
+        engine_gateway(
+            # 2048 (the model's own): a request that outlives pause -> update -> resume over
+            # HTTP (the tiny model makes ~1000 tokens a second on the 2-core VM)
+            cpu_engine_args(enable_lora=True, max_lora_rank=8, max_model_len=2048),
+            control=ControlPolicy(open=True),
+        ) as gateway,
+        face_over(gateway, api_key=TOKEN) as (_, base),
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session,
+    ):
+        http = Http(session, base)
+        http.gateway = gateway
+        yield http
+
+
+async def _tokens(face: Http, prompt: list[int], **body) -> list[int]:
+    status, answer = await face.post(
+        "/inference/v1/generate", {"token_ids": prompt, "sampling_params": GREEDY, **body}
+    )
+    assert status == 200, answer
+    return answer["choices"][0]["token_ids"]
+
+
+async def test_control_routes_need_the_operators_token(face):
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        for path in ("/pause", "/resume", "/update_weights", "/v1/load_lora_adapter"):
+            status, answer = await face.post(path, {}, headers=headers)
+            assert status == 401 and answer["error"]["code"] == 401, (path, answer)
+        status, _ = await face.post("/abort_requests", {}, headers=headers)  # all: control
+        assert status == 401
+    status, answer = await face.get("/is_paused")
+    assert (status, answer) == (200, {"is_paused": False})
+
+
+async def test_a_face_without_an_api_key_refuses_every_control_route(face):
+    async with face_over(face.gateway) as (_, base):
+        keyless = Http(face.session, base)
+        for headers in (None, AUTH):
+            status, answer = await keyless.post("/pause", headers=headers)
+            assert status == 401 and "--api-key" in answer["error"]["message"], answer
+        status, answer = await keyless.post(
+            "/inference/v1/generate", {"token_ids": [5], "sampling_params": GREEDY}, headers=None
+        )
+        assert status == 200, answer  # its data routes are open
+
+
+async def test_prime_rl_admin_sequence(face, tmp_path):
+    """pause(keep) -> update_weights(weight_dir: B) -> resume, with a request running
+    across it: that request reports two weight spans; afterwards the greedy output equals
+    offline vLLM on B. Then an adapter loaded under one name twice (load_inplace) serves
+    the second adapter."""
+    from gateway.tiny_model import ensure_tiny_model
+    from tests.lora_adapter import make_tiny_lora
+    from tests.offline_reference import run_offline_reference
+
+    model_a, model_b = ensure_tiny_model(), ensure_tiny_model(weights_seed=1)
+    prompt = [17, 18, 19, 20]
+    offline_b = asyncio.ensure_future(
+        asyncio.to_thread(
+            run_offline_reference,
+            str(model_b),
+            TEST_MAX_MODEL_LEN,
+            [{"prompt": prompt, "sampling": GREEDY}],
+            keep=True,
+        )
+    )
+    before = await _tokens(face, prompt)
+    across_body = {
+        "token_ids": [3, 3, 3],
+        "stream": True,
+        "sampling_params": {**GREEDY, "max_tokens": 2040, "ignore_eos": True},
+    }
+    async with face.session.post(
+        face.base + "/inference/v1/generate", json=across_body, headers=AUTH
+    ) as across:
+        assert across.status == 200
+        await across.content.readline()  # its first tokens: it runs
+        status, answer = await face.post("/pause?mode=keep&clear_cache=false")
+        assert (status, answer) == (200, {"status": "paused"})
+        assert await face.get("/is_paused") == (200, {"is_paused": True})
+        status, answer = await face.post("/update_weights", {"weight_dir": str(model_b)})
+        assert status == 200, answer
+        assert await face.post("/resume") == (200, {"status": "resumed"})
+        events = [
+            json.loads(line[6:])
+            for line in (await across.text()).split("\n")
+            if line.startswith("data: {")
+        ]
+    (final,) = [e["choices"][0] for e in events if e["choices"][0]["finish_reason"]]
+    first, second = final["weight_versions"]
+    assert first["start"] == 0 and second["start"] == first["end"] > 0
+    assert second["end"] == 2040
+    assert (first["version"], second["version"]) == ("default", str(model_b))
+    after = await _tokens(face, prompt)
+    ((reference,),) = [r["samples"] for r in await offline_b]
+    assert after == reference["token_ids"] != before
+    # Back to A (the other tests' weights), by the same route.
+    assert (await face.post("/update_weights", {"weight_dir": str(model_a)}))[0] == 200
+    assert await _tokens(face, prompt) == before
+
+    # A LoRA adapter under one name, loaded twice: the second load serves the second one.
+    one = str(make_tiny_lora(tmp_path / "one", seed=1))
+    two = str(make_tiny_lora(tmp_path / "two", seed=2))
+    load = {"lora_name": "policy", "lora_path": one}
+    assert (await face.post("/v1/load_lora_adapter", load))[0] == 200
+    tuned_one = await _tokens(face, prompt, model="policy")
+    status, answer = await face.post("/v1/load_lora_adapter", {**load, "lora_path": two})
+    assert status == 400 and "load_inplace" in answer["error"]["message"]  # as vLLM
+    again = {"lora_name": "policy", "lora_path": two, "load_inplace": True}
+    assert (await face.post("/load_lora_adapter", again))[0] == 200
+    tuned_two = await _tokens(face, prompt, model="policy")
+    assert (await face.post("/v1/load_lora_adapter", {"lora_name": "fresh", "lora_path": two}))[
+        0
+    ] == 200
+    assert tuned_two == await _tokens(face, prompt, model="fresh") != tuned_one
+    status, models = await face.get("/v1/models")
+    assert [m["id"] for m in models["data"]][1:] == ["policy", "fresh"]
+    for name in ("policy", "fresh"):
+        assert (await face.post("/v1/unload_lora_adapter", {"lora_name": name}))[0] == 200
+    status, answer = await face.post(
+        "/inference/v1/generate",
+        {"token_ids": prompt, "sampling_params": GREEDY, "model": "policy"},
+    )
+    assert status == 404
+
+
+async def test_unserved_routes_and_sleep_on_cpu_answer_clearly(face):
+    status, answer = await face.post("/v1/chat/completions", {"messages": []})
+    assert status == 501 and "/v1/chat/completions" in answer["error"]["message"]
+    status, answer = await face.post("/sleep?level=1")
+    assert status == 400 and "Sleep mode is not supported" in answer["error"]["message"]
+    status, answer = await face.post("/sleep?level=7")
+    assert status == 400 and answer["error"]["param"] == "level"
+    status, answer = await face.post("/reset_prefix_cache")
+    assert (status, answer) == (200, {"success": True})
