@@ -9,6 +9,9 @@ framework sends and what the face does with it.
 
 - ``bodies``: request bodies, checked as vLLM checks them, into the gateway's structs;
 - ``responses``: RequestOutputs into vLLM's response and SSE shapes;
-- ``app``: the aiohttp application and its routes;
+- ``replies``: vLLM's error shape, and reading bodies and queries;
+- ``app``: the aiohttp application, generate, models and health (``HttpFace``);
+- ``completions``: ``/v1/completions`` with token-id prompts (TRL);
+- ``control``: the control routes (pause, weights, LoRA, sleep);
 - ``cli``: ``engine-gateway http``.
 """

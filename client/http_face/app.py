@@ -14,69 +14,42 @@ import contextlib
 import hmac
 import logging
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
-from client.errors import ClientError, GatewayUnavailable, RequestFailed, RequestOverloaded
+from client.errors import ClientError
 from client.pool import GatewayPool
 from client.results import Accumulator
-from codec import ErrorCode, ModelInfo
+from codec import ModelInfo
 
-from .bodies import GenerateBody, HttpError, options_from, parse_generate, sampling_from
-from .responses import generate_response, stream_chunk, usage
+from .bodies import (
+    GenerateBody,
+    HttpError,
+    options_from,
+    parse_generate,
+    sampling_from,
+)
+from .completions import CompletionRoutes
+from .control import ControlRoutes
+from .replies import ENCODE, error_of, json_answer, json_object, package_version
+from .responses import (
+    generate_response,
+    stream_chunk,
+    usage,
+)
 
 __all__ = ["HttpFace", "build_app"]
 
 logger = logging.getLogger("engine_gateway.http")
 
 MAX_BODY_BYTES = 64 << 20  # a 2M-token prompt as JSON fits; anything larger gets 413
-_ENCODE = msgspec.json.Encoder()
-_PARAMETER = re.compile(r"\(parameter=(\w+)")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_STATUS_OF_CODE = {
-    ErrorCode.INVALID_REQUEST: 400,
-    ErrorCode.INVALID_MESSAGE: 400,
-    ErrorCode.UNSUPPORTED: 400,
-    ErrorCode.FRAME_TOO_LARGE: 413,
-    ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.DRAINING: 503,
-    ErrorCode.ENGINE_DEAD: 503,
-    ErrorCode.WEIGHTS_INCOMPLETE: 503,
-    ErrorCode.SLOW_CONSUMER: 503,
-}
 
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_ENCODE.encode(body), status=status, content_type="application/json")
-
-
-def _error_of(exc: BaseException) -> HttpError:
-    """A gateway or client error as the HTTP error vLLM would answer."""
-    if isinstance(exc, HttpError):
-        return exc
-    if isinstance(exc, RequestOverloaded):
-        return HttpError(429, f"the gateway is at a limit ({exc.limit}); retry later: {exc}")
-    if isinstance(exc, RequestFailed):
-        status = _STATUS_OF_CODE.get(exc.code, 500)
-        message = exc.message
-        if exc.code == ErrorCode.UNAUTHORIZED:
-            message += " (the gateway must allow this face's key: --control-key)"
-        named = _PARAMETER.search(message)  # vLLM's validation names the field so
-        return HttpError(status, message, param=named.group(1) if named else None)
-    if isinstance(exc, GatewayUnavailable):
-        return HttpError(503, f"no gateway session: {exc}")
-    if isinstance(exc, TimeoutError):
-        return HttpError(504, "the gateway did not answer in time", kind="GatewayTimeout")
-    return HttpError(500, f"{type(exc).__name__}: {exc}")
-
-
-class HttpFace:
+class HttpFace(CompletionRoutes, ControlRoutes):
     """The routes' state: the pool, the served model, the loaded adapters, live requests."""
 
     def __init__(
@@ -95,6 +68,7 @@ class HttpFace:
         self.loras: dict[str, str] = {}  # adapter name -> the path it was loaded from
         # The face's request ids (as answered) -> the pool's ids, while live.
         self.live: dict[str, str] = {}
+        self.fingerprint = f"engine-gateway-{package_version()}"
 
     # ---- access
 
@@ -154,7 +128,7 @@ class HttpFace:
         async for out in stream:
             acc.add(out)
         completions = [acc.done[i] for i in sorted(acc.done)]
-        return _json(
+        return json_answer(
             generate_response(
                 request_id,
                 body.model or self.model_name,
@@ -198,7 +172,7 @@ class HttpFace:
                     running_usage=running,
                 )
                 prompt_ids = None
-                await response.write(b"data: " + _ENCODE.encode(chunk) + b"\n\n")
+                await response.write(b"data: " + ENCODE.encode(chunk) + b"\n\n")
                 try:
                     out = await anext(outputs)
                 except StopAsyncIteration:
@@ -209,9 +183,9 @@ class HttpFace:
                 final = {k: v for k, v in final.items() if v is not None}
                 last = {"request_id": request_id, "usage": final, "output_mode": "tokens"}
                 last["choices"] = []
-                await response.write(b"data: " + _ENCODE.encode(last) + b"\n\n")
+                await response.write(b"data: " + ENCODE.encode(last) + b"\n\n")
         except ClientError as exc:  # mid-stream: vLLM sends the error as a data line
-            await response.write(b"data: " + _ENCODE.encode(_error_of(exc).body()) + b"\n\n")
+            await response.write(b"data: " + ENCODE.encode(error_of(exc).body()) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -219,7 +193,7 @@ class HttpFace:
     async def abort_requests(self, request: web.Request) -> web.Response:
         """vLLM's ``/abort_requests``: the named requests (the ids answered; a data route),
         or, with none named, every request of the face (a control route)."""
-        body = await _json_object(request)
+        body = await json_object(request)
         named = body.get("request_ids")
         if named is not None and not (
             isinstance(named, list) and all(isinstance(i, str) for i in named)
@@ -233,7 +207,7 @@ class HttpFace:
             ids = list(self.live.values())
         if ids:
             await self.pool.abort(ids)
-        return _json({"status": "aborted", "aborted": len(ids)})
+        return json_answer({"status": "aborted", "aborted": len(ids)})
 
     # ---- models, health
 
@@ -241,7 +215,7 @@ class HttpFace:
         self.check_data_access(request)
         cards = [self._card(self.model_name, self.model.name, None)]
         cards += [self._card(name, path, self.model_name) for name, path in self.loras.items()]
-        return _json({"object": "list", "data": cards})
+        return json_answer({"object": "list", "data": cards})
 
     def _card(self, name: str, root: str, parent: str | None) -> dict[str, Any]:
         return {
@@ -280,18 +254,18 @@ class HttpFace:
 
     async def is_paused(self, request: web.Request) -> web.Response:
         self.check_data_access(request)
-        return _json({"is_paused": any(r.paused for r in await self._healths())})
+        return json_answer({"is_paused": any(r.paused for r in await self._healths())})
 
     async def world_size(self, request: web.Request) -> web.Response:
         """Data-parallel ranks over the pool's gateways (each gateway's engines)."""
         self.check_data_access(request)
         ranks = sum(max(len(r.engines), 1) for r in await self._healths())
-        return _json({"world_size": ranks})
+        return json_answer({"world_size": ranks})
 
     async def server_info(self, request: web.Request) -> web.Response:
         self.check_data_access(request)
         replies = await self.pool.health()
-        return _json(
+        return json_answer(
             {
                 "model": self.model.name,
                 "served_model_name": self.model_name,
@@ -307,133 +281,6 @@ class HttpFace:
 
     # ---- control
 
-    async def on_every_gateway(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
-        """``call(client)`` on every gateway with a session (control: each has its engines)."""
-        clients = [c for c in self.pool.clients if c.connected]
-        if not clients:
-            raise HttpError(503, "no gateway session")
-        return list(await asyncio.gather(*(call(c) for c in clients)))
-
-    async def pause(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        mode = request.query.get("mode", "abort")
-        if mode not in ("abort", "wait", "keep"):
-            raise HttpError(400, f"mode must be abort, wait or keep, got {mode!r}", param="mode")
-        clear = _query_bool(request, "clear_cache", True)
-        await self.on_every_gateway(lambda c: c.pause(mode, clear_cache=clear and mode != "keep"))
-        return _json({"status": "paused"})
-
-    async def resume(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        await self.on_every_gateway(lambda c: c.resume())
-        return _json({"status": "resumed"})
-
-    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        running = _query_bool(request, "reset_running_requests", False)
-        results = await self.on_every_gateway(lambda c: c.reset_prefix_cache(reset_running=running))
-        return _json({"success": all(bool(r) for r in results)})
-
-    async def sleep(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        level = _query_int(request, "level", 1, 0, 2)
-        await self.on_every_gateway(lambda c: c.sleep(level))
-        return _json({"status": "sleeping", "level": level})
-
-    async def wake_up(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        tags = request.query.getall("tags", []) or None
-        await self.on_every_gateway(lambda c: c.wake_up(tags))
-        return _json({"status": "awake", "tags": tags})
-
-    async def update_weights(self, request: web.Request) -> web.Response:
-        """prime-rl's ``{"weight_dir"}`` reload from a checkpoint, or vLLM's weight-transfer
-        ``{"update_info"}`` chunk."""
-        self.check_control_access(request)
-        body = await _json_object(request)
-        if "weight_dir" in body:
-            path = body["weight_dir"]
-            if not isinstance(path, str) or not path:
-                raise HttpError(400, "weight_dir must be a folder path", param="weight_dir")
-            # The weights' version names the folder unless the body names one: outputs
-            # across the reload then report two spans (the same name would merge them).
-            version = body.get("weight_version", path)
-            if not isinstance(version, str) or not version:
-                raise HttpError(400, "weight_version must be a string", param="weight_version")
-            await self.on_every_gateway(lambda c: c.reload_weights(path, version=version))
-            return _json({"status": "ok", "message": "Weights updated"})
-        info = body.get("update_info")
-        if not isinstance(info, dict | list):
-            raise HttpError(400, "update_weights needs weight_dir or update_info")
-        await self.on_every_gateway(lambda c: c.update_weights(info))
-        return _json({"message": "Weights updated"})
-
-    async def init_weight_transfer(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        info = (await _json_object(request)).get("init_info")
-        if not isinstance(info, dict):
-            raise HttpError(400, "init_info must be an object", param="init_info")
-        await self.on_every_gateway(lambda c: c.init_weight_transfer_engine(info))
-        return _json({"message": "Weight transfer initialized"})
-
-    async def start_weight_update(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        await self.on_every_gateway(lambda c: c.start_weight_update())
-        return _json({"message": "Weight update started"})
-
-    async def finish_weight_update(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        version = (await _json_object(request, allow_empty=True)).get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise HttpError(400, "weight_version must be a string", param="weight_version")
-        await self.on_every_gateway(lambda c: c.finish_weight_update(version))
-        return _json({"message": "Weight update finished"})
-
-    async def shutdown_weight_transfer(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        await self.on_every_gateway(lambda c: c.shutdown_weight_transfer_engine())
-        return _json({"message": "Weight transfer shut down"})
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        version = (await _json_object(request)).get("new_version")
-        if not isinstance(version, str):
-            raise HttpError(400, "new_version must be a string", param="new_version")
-        await self.on_every_gateway(lambda c: c.set_weight_version(version))
-        return _json({"success": True, "new_version": version})
-
-    async def load_lora(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        body = await _json_object(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise HttpError(400, "Both 'lora_name' and 'lora_path' must be provided.")
-        if name in (self.model_name, self.model.name):
-            raise HttpError(400, f"The lora adapter '{name}' conflicts with a served base model.")
-        if name in self.loras:
-            if not body.get("load_inplace"):
-                raise HttpError(
-                    400,
-                    f"The lora adapter '{name}' has already been loaded. If you want to load"
-                    " the adapter in place, set 'load_inplace' to True.",
-                )
-            await self.on_every_gateway(lambda c: c.unload_lora(name))
-            del self.loras[name]
-        await self.on_every_gateway(lambda c: c.load_lora(name, path))
-        self.loras[name] = path
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-
-    async def unload_lora(self, request: web.Request) -> web.Response:
-        self.check_control_access(request)
-        name = (await _json_object(request)).get("lora_name")
-        if not isinstance(name, str) or name not in self.loras:
-            raise HttpError(
-                404, f"The lora adapter '{name}' cannot be found.", kind="NotFoundError"
-            )
-        await self.on_every_gateway(lambda c: c.unload_lora(name))
-        del self.loras[name]
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
     async def refused_route(self, request: web.Request) -> web.Response:
         raise HttpError(
             501,
@@ -443,43 +290,6 @@ class HttpFace:
         )
 
 
-async def _json_object(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw and allow_empty:
-        return {}
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise HttpError(400, f"JSON decode error: {exc}") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "Request body must be a JSON object")
-    return body
-
-
-def _query_bool(request: web.Request, name: str, default: bool) -> bool:
-    value = request.query.get(name)
-    if value is None:
-        return default
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise HttpError(400, f"{name} must be a boolean, got {value!r}", param=name)
-
-
-def _query_int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-    value = request.query.get(name)
-    if value is None:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise HttpError(400, f"{name} must be an integer, got {value!r}", param=name) from None
-    if not low <= number <= high:
-        raise HttpError(400, f"{name} must be in [{low}, {high}], got {number}", param=name)
-    return number
-
-
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure answers in vLLM's error shape; nothing else is disturbed."""
@@ -487,23 +297,26 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status == 413:
-            return _json(HttpError(413, f"request body over {MAX_BODY_BYTES} bytes").body(), 413)
+            too_large = HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
+            return json_answer(too_large.body(), 413)
         if exc.status in (404, 405):
-            return _json(HttpError(exc.status, exc.reason, kind="NotFoundError").body(), exc.status)
+            unknown = HttpError(exc.status, exc.reason, kind="NotFoundError")
+            return json_answer(unknown.body(), exc.status)
         raise
     except (HttpError, ClientError, TimeoutError) as exc:
-        error = _error_of(exc)
-        return _json(error.body(), error.status)
+        error = error_of(exc)
+        return json_answer(error.body(), error.status)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:
         logger.exception("route %s failed", request.path)
-        error = _error_of(exc)
-        return _json(error.body(), error.status)
+        error = error_of(exc)
+        return json_answer(error.body(), error.status)
 
 
 ROUTES: list[tuple[str, str, str]] = [
     ("POST", "/inference/v1/generate", "generate"),
+    ("POST", "/v1/completions", "completions"),
     ("POST", "/inference/v1/abort_requests", "abort_requests"),
     ("POST", "/abort_requests", "abort_requests"),
     ("GET", "/v1/models", "models"),

@@ -193,7 +193,7 @@ def _int_keyed(bias: dict[Any, Any]) -> dict[Any, Any]:
 
 
 def options_from(
-    body: GenerateBody, lora_name: str | None, routing_key: str | None
+    body: GenerateBody | CompletionBody, lora_name: str | None, routing_key: str | None
 ) -> RequestOptions | None:
     """The request-level fields as RequestOptions (None when all are defaults)."""
     kv = body.kv_transfer_params
@@ -212,3 +212,92 @@ def options_from(
         lora_name=lora_name,
         routing_key=routing_key,
     )
+
+
+class CompletionBody(msgspec.Struct, frozen=True):
+    """vLLM 0.32's ``CompletionRequest``, the fields a token-id prompt uses; the sampling
+    fields stay in the body (``completion_sampling`` reads them)."""
+
+    prompt: Any  # ids, a batch of ids, text or texts: checked by parse_completion
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    use_beam_search: bool = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    prompt_embeds: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    mm_payload: Any = None
+
+
+# CompletionRequest fields that are not sampling fields (the rest of the body is).
+_COMPLETION_REQUEST_FIELDS = frozenset(CompletionBody.__struct_fields__) - {
+    "logprobs",
+    "max_tokens",
+    "n",
+}
+_UNSERVED_COMPLETION_FIELDS = {
+    "suffix": "suffix",
+    "prompt_embeds": "prompt embeddings",
+    "response_format": "structured outputs (response_format)",
+    "structured_outputs": "structured outputs",
+    "mm_payload": "multimodal input (docs/IMAGES.md: the native client)",
+}
+
+
+def parse_completion(raw: bytes) -> tuple[CompletionBody, list[list[int]], dict[str, Any]]:
+    """The body of ``/v1/completions`` with token-id prompts: (body, prompts, sampling
+    fields); HttpError for text prompts (no tokenizer) and fields the face cannot serve."""
+    try:
+        fields = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, f"JSON decode error: {exc}", kind="Bad Request") from None
+    if not isinstance(fields, dict):
+        raise HttpError(400, "Request body must be a JSON object", kind="Bad Request")
+    try:
+        body = msgspec.convert(fields, CompletionBody, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _decode_error(exc) from None
+    for name, what in _UNSERVED_COMPLETION_FIELDS.items():
+        if getattr(body, name) is not None:
+            raise HttpError(400, f"{name}: {what} is not served by engine-gateway", param=name)
+    if body.echo or body.use_beam_search:
+        name = "echo" if body.echo else "use_beam_search"
+        raise HttpError(400, f"{name} is not served by engine-gateway", param=name)
+    prompt = body.prompt
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
+    ):
+        raise HttpError(
+            400,
+            "text prompts need a tokenizer, which this face does not load: send token ids"
+            " (client.text tokenizes on the client)",
+            param="prompt",
+        )
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    try:
+        prompts = msgspec.convert(prompt, list[list[int]])
+    except msgspec.ValidationError:
+        raise HttpError(
+            400, "prompt must be token ids or a list of them", kind="Bad Request", param="prompt"
+        ) from None
+    if not prompts or any(not p for p in prompts):
+        raise HttpError(400, "Prompt cannot be empty", param="prompt")
+    if any(t < 0 for p in prompts for t in p):
+        raise HttpError(400, "prompt token ids must not be negative", param="prompt")
+    sampling = {k: v for k, v in fields.items() if k not in _COMPLETION_REQUEST_FIELDS}
+    sampling.setdefault("max_tokens", 16)  # the completions API's default, as vLLM's
+    if sampling.get("stop") == []:
+        del sampling["stop"]
+    return body, prompts, sampling

@@ -190,3 +190,64 @@ def stream_chunk(
         }
     ]
     return chunk
+
+
+def completion_logprobs(logprobs: Logprobs, top: int) -> dict[str, Any]:
+    """The OpenAI completions ``logprobs`` object as vLLM's server makes it with
+    ``return_tokens_as_token_ids``: tokens are ``token_id:N``; each position's
+    ``top_logprobs`` holds the sampled token and ``top`` more (-1: every candidate)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    last_len = 0
+    for row_ids, row_logprobs, _ in zip(
+        logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True
+    ):
+        candidates: dict[int, float] = {}
+        for token_id, logprob in zip(row_ids, row_logprobs, strict=True):
+            candidates[token_id] = logprob
+        token = f"token_id:{row_ids[0]}"
+        tokens.append(token)
+        token_logprobs.append(max(candidates[row_ids[0]], LOGPROB_FLOOR))
+        tops.append(
+            {
+                f"token_id:{t}": max(lp, LOGPROB_FLOOR)
+                for i, (t, lp) in enumerate(candidates.items())
+                if top == -1 or top >= i
+            }
+        )
+        offsets.append(offsets[-1] + last_len if offsets else 0)
+        last_len = len(token)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": token_logprobs,
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
+
+
+def completion_choice(
+    index: int,
+    token_ids: list[int],
+    logprobs: dict[str, Any] | None,
+    finished: Any,
+    prompt_token_ids: list[int] | None,
+    *,
+    streamed: bool,
+) -> dict[str, Any]:
+    """One choice of a completions answer (``finished``: the sample's Finished, or None
+    on a stream's chunk before its end)."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": "",
+        "logprobs": logprobs,
+        "finish_reason": finish_reason_name(finished.finish_reason) if finished else None,
+        "stop_reason": _stop_reason(finished.stop_reason) if finished else None,
+    }
+    if streamed:
+        choice["prompt_token_ids"] = prompt_token_ids
+        choice["token_ids"] = token_ids
+    else:
+        choice["token_ids"] = token_ids
+        choice["prompt_logprobs"] = None
+        choice["prompt_token_ids"] = prompt_token_ids
+        choice["routed_experts"] = None
+    return choice

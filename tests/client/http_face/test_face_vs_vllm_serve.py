@@ -319,3 +319,99 @@ async def test_a_client_that_leaves_mid_stream_aborts_its_request(servers):
     async with asyncio.timeout(10):
         while gateway.table.live_requests:
             await asyncio.sleep(0.05)
+
+
+COMPLETIONS = {
+    "batch-seeded-n2": {
+        "prompt": [[5, 6, 7], [8, 9]],
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 1,
+        "max_tokens": 5,
+        "return_token_ids": True,
+    },
+    "one-prompt-greedy-default-length": {"prompt": [5, 6, 7], "temperature": 0.0},
+    "stop-token-ids": {
+        "prompt": [[5, 6, 7]],
+        "temperature": 0.0,
+        "max_tokens": 20,
+        "stop_token_ids": [448],
+        "return_token_ids": True,
+    },
+}
+
+
+def _comparable_completion(body: dict) -> dict:
+    body = copy.deepcopy(body)
+    assert body.pop("id").startswith("cmpl-")
+    for key in ("created", "system_fingerprint"):
+        body.pop(key)
+    return body
+
+
+@pytest.mark.parametrize("name", list(COMPLETIONS))
+async def test_completions_with_token_id_prompts_answer_as_vllm_serve(servers, name):
+    model = servers["face_state"].model_name
+    body = {"model": model, **COMPLETIONS[name]}
+    (vs, v_body), (fs, f_body) = await asyncio.gather(
+        servers["vllm"].post("/v1/completions", body),
+        servers["face"].post("/v1/completions", body),
+    )
+    assert (fs, vs) == (200, 200), (f_body, v_body)
+    assert _comparable_completion(f_body) == _comparable_completion(v_body)
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    (vs, v_events), (fs, f_events) = await asyncio.gather(
+        servers["vllm"].post("/v1/completions", streamed),
+        servers["face"].post("/v1/completions", streamed),
+    )
+    assert (fs, vs) == (200, 200)
+
+    def merged(events: list) -> tuple[dict, dict]:
+        assert events[-1] == "[DONE]"
+        choices: dict = {}
+        for event in events[:-1]:
+            for c in event["choices"]:
+                total = choices.setdefault(c["index"], {"token_ids": [], "prompt": None})
+                total["token_ids"] += c["token_ids"] or []
+                total["prompt"] = total["prompt"] or c["prompt_token_ids"]
+                if c["finish_reason"]:
+                    total["end"] = (c["finish_reason"], c["stop_reason"])
+        return choices, events[-2]["usage"]
+
+    assert merged(f_events) == merged(v_events)
+
+
+async def test_completion_logprobs_are_trls_shape_and_the_generate_routes_values(servers):
+    """vLLM's completions route needs a tokenizer for logprobs (TRL asks for
+    return_tokens_as_token_ids); the face answers with ``token_id:N`` tokens, the values
+    of the generate route (equal to vllm serve's, above), ``logprobs + 1`` candidates."""
+    face = servers["face"]
+    body = {"prompt": [[11, 12, 13, 14]], "n": 2, "temperature": 0.9, "seed": 7, "max_tokens": 6}
+    status, answer = await face.post(
+        "/v1/completions",
+        {**body, "logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True},
+    )
+    assert status == 200, answer
+    sampling = {k: body[k] for k in ("n", "temperature", "seed", "max_tokens")}
+    _, generated = await face.post(
+        "/inference/v1/generate",
+        {"token_ids": body["prompt"][0], "sampling_params": {**sampling, "logprobs": 2}},
+    )
+    for choice, same in zip(answer["choices"], generated["choices"], strict=True):
+        content = same["logprobs"]["content"]
+        logprobs = choice["logprobs"]
+        assert choice["token_ids"] == same["token_ids"]
+        assert logprobs["tokens"] == [f"token_id:{t}" for t in same["token_ids"]]
+        assert logprobs["token_logprobs"] == [e["logprob"] for e in content]
+        for tops, entry in zip(logprobs["top_logprobs"], content, strict=True):
+            assert len(tops) == 3 and tops[f"token_id:{entry['token_id']}"] == entry["logprob"]
+        assert logprobs["text_offset"][0] == 0
+
+
+async def test_text_prompts_are_refused_without_a_tokenizer(servers):
+    body = {"prompt": "hello", "max_tokens": 2}
+    (vs, _), (fs, f_body) = await asyncio.gather(
+        servers["vllm"].post("/v1/completions", body),
+        servers["face"].post("/v1/completions", body),
+    )
+    assert fs == vs == 400 and "tokenizer" in f_body["error"]["message"]
