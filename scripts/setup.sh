@@ -51,4 +51,18 @@ fi
 # Released models' chat templates for the conversation tests (pinned packages' .jinja files
 # only, no dependencies; skipped when already there).
 "$VENV/bin/python" scripts/chat_templates.py "$VENV/share/chat-templates"
+# The RL frameworks' own released clients, each in a venv of its own (their pins conflict
+# with vLLM's): tests/client/http_face drives them unchanged through `engine-gateway http`.
+framework_venv() {
+    local name=$1; shift
+    local dir=".venv-$name" pins
+    pins="$dir/.pins-$(echo "$*" | sha1sum | cut -c1-12)"
+    if [[ ! -f "$pins" ]]; then
+        step "installing $* into $dir (a minute)"
+        "$PYTHON" -m venv --clear "$dir"
+        "$dir/bin/python" -m pip --disable-pip-version-check -q install "$@"
+        touch "$pins"
+    fi
+}
+framework_venv verifiers verifiers==0.4.0 renderers==0.1.12
 "$VENV/bin/python" -c "import vllm, zmq, msgspec, uvloop; print('engine-gateway env ready: vllm', vllm.__version__)"

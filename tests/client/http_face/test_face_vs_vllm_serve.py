@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.client.http_face.conftest import AUTH
+from tests.conftest import TEST_MAX_MODEL_LEN
+
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.engine
 
@@ -415,3 +420,68 @@ async def test_text_prompts_are_refused_without_a_tokenizer(servers):
         servers["face"].post("/v1/completions", body),
     )
     assert fs == vs == 400 and "tokenizer" in f_body["error"]["message"]
+
+
+def _run_verifiers_rollout(base_url: str, model: str) -> dict:
+    """tests/client/http_face/verifiers_rollout.py in the setup's verifiers venv."""
+    import json
+    import os
+    import subprocess
+
+    from gateway.tiny_model import ensure_tiny_tokenizer
+    from tests.client.http_face.conftest import TOKEN
+
+    python = ROOT / ".venv-verifiers" / "bin" / "python"
+    assert python.exists(), "scripts/setup.sh makes .venv-verifiers (verifiers 0.4.0)"
+    env = {**os.environ, "ENGINE_GATEWAY_TEST_TOKEN": TOKEN, "PYTHONPATH": ""}
+    done = subprocess.run(
+        [python, str(Path(__file__).with_name("verifiers_rollout.py")), base_url,
+         str(ensure_tiny_tokenizer()), model],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+async def test_verifiers_train_client_unchanged_over_three_turns_with_tool_messages(servers):
+    """verifiers 0.4.0's TrainClient (renderers 0.1.12), as released, against the face:
+    three turns, each with the tool's answer appended; its parsed ids and logprobs equal
+    vllm serve's for the same generate bodies (which renderers itself cannot read from vllm
+    serve 0.32: its logprob entries lack ``token``), and offline vLLM's on the same ids."""
+    from gateway.tiny_model import ensure_tiny_model
+    from tests.offline_reference import run_offline_reference
+
+    model = servers["face_state"].model_name
+    face_run, vllm_run = await asyncio.gather(
+        asyncio.to_thread(_run_verifiers_rollout, servers["face"].base, model),
+        asyncio.to_thread(_run_verifiers_rollout, servers["vllm"].base, model),
+    )
+    assert vllm_run["error"] == "MalformedGenerateResponseError", vllm_run
+    assert "token_id:" in vllm_run["message"]
+    turns = face_run["turns"]
+    assert len(turns) == 3, face_run
+    for before, after in itertools.pairwise(turns):  # each turn's prompt extends the last
+        assert after["prompt_ids"][: len(before["prompt_ids"])] == before["prompt_ids"]
+    sampling = {
+        "temperature": 0.0,
+        "max_tokens": 12,
+        "stop_token_ids": face_run["stop_token_ids"],
+        "logprobs": 1,
+        "skip_special_tokens": False,
+    }
+    offline = await asyncio.to_thread(
+        run_offline_reference,
+        str(ensure_tiny_model()),
+        TEST_MAX_MODEL_LEN,
+        [{"prompt": t["prompt_ids"], "sampling": sampling} for t in turns],
+        keep=True,
+    )
+    for turn, reference in zip(turns, offline, strict=True):
+        body = {"token_ids": turn["prompt_ids"], "sampling_params": sampling}
+        status, answer = await servers["vllm"].post("/inference/v1/generate", body)
+        assert status == 200, answer
+        (choice,) = answer["choices"]
+        assert turn["completion_ids"] == choice["token_ids"] != []
+        assert turn["completion_logprobs"] == [e["logprob"] for e in choice["logprobs"]["content"]]
+        (sample,) = reference["samples"]
+        assert turn["completion_ids"] == sample["token_ids"]
