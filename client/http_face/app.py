@@ -1,7 +1,8 @@
 """The HTTP face: vLLM 0.32's routes for RL frameworks, on aiohttp, over a GatewayPool.
 
-Data routes (``/inference/v1/generate``, ``/v1/models``, ``/health``, ...) need the
-operator's bearer token when one is set (as ``vllm serve --api-key``). Control routes
+Data routes (``/inference/v1/generate``, ``/v1/models``, ...) need the operator's bearer
+token when one is set (as ``vllm serve --api-key``), unless ``open_data_routes`` (a
+framework client that sends no token, as TRL's). Control routes
 (pause, weights, LoRA, abort of every request, ...) always need it: without ``--api-key``
 they answer 401. A control route reaches every gateway of the pool (each serves its own
 engines), and the gateways must allow the face's key (``--control-key``).
@@ -59,11 +60,13 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         *,
         served_model_name: str | None = None,
         api_key: str | None = None,
+        open_data_routes: bool = False,
     ):
         self.pool = pool
         self.model = model
         self.model_name = served_model_name or model.name
         self.api_key = api_key
+        self.open_data_routes = open_data_routes
         self.created = int(time.time())
         self.loras: dict[str, str] = {}  # adapter name -> the path it was loaded from
         # The face's request ids (as answered) -> the pool's ids, while live.
@@ -78,7 +81,7 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         return hmac.compare_digest(given.encode(), expected.encode())
 
     def check_data_access(self, request: web.Request) -> None:
-        if self.api_key is not None and not self._bearer_ok(request):
+        if self.api_key is not None and not self.open_data_routes and not self._bearer_ok(request):
             raise HttpError(401, "Unauthorized: a bearer token is needed (--api-key)")
 
     def check_control_access(self, request: web.Request) -> None:
@@ -263,21 +266,26 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         return json_answer({"world_size": ranks})
 
     async def server_info(self, request: web.Request) -> web.Response:
+        """vLLM's ``/server_info`` in its JSON form, with what the gateways tell: the model,
+        its length and served name, the data-parallel ranks. The weight-transfer backend is
+        not among them: ``weight_transfer_config`` is null (docs/FRAMEWORKS.md)."""
         self.check_data_access(request)
-        replies = await self.pool.health()
-        return json_answer(
-            {
+        healths = await self._healths()
+        ranks = sum(max(len(r.engines), 1) for r in healths)
+        config = {
+            "model_config": {
                 "model": self.model.name,
                 "served_model_name": self.model_name,
                 "max_model_len": self.model.max_model_len,
-                "vocab_size": self.model.vocab_size,
-                "eos_token_ids": self.model.eos_token_ids,
-                "gateways": {
-                    address: None if r is None else {"state": r.state, "paused": r.paused}
-                    for address, r in replies.items()
-                },
-            }
-        )
+                "skip_tokenizer_init": True,
+            },
+            "parallel_config": {"data_parallel_size": ranks},
+            "weight_transfer_config": None,
+        }
+        if request.query.get("config_format") != "json":
+            return json_answer({"vllm_config": str(config)})
+        gateways = [{"state": r.state, "paused": r.paused} for r in healths]
+        return json_answer({"vllm_config": config, "engine_gateway": {"gateways": gateways}})
 
     # ---- control
 

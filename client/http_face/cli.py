@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("VLLM_API_KEY"),
         help="the operator's bearer token (default: $VLLM_API_KEY); control routes need it",
     )
+    parser.add_argument(
+        "--open-data-routes",
+        action="store_true",
+        help="generate, completions and models without the token (control routes keep it)",
+    )
     parser.add_argument("--served-model-name", help="the model's name in requests and /v1/models")
     parser.add_argument("--server-key", metavar="FILE", help="the gateways' public CURVE key")
     parser.add_argument("--client-key", metavar="FILE", help="this face's CURVE key_secret")
@@ -64,7 +69,11 @@ async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes
         up = next(c for c in pool.clients if c.connected)
         info = await up.model_info()
         face = HttpFace(
-            pool, info.model, served_model_name=args.served_model_name, api_key=args.api_key
+            pool,
+            info.model,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            open_data_routes=args.open_data_routes,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

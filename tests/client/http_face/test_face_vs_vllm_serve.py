@@ -422,25 +422,30 @@ async def test_text_prompts_are_refused_without_a_tokenizer(servers):
     assert fs == vs == 400 and "tokenizer" in f_body["error"]["message"]
 
 
-def _run_verifiers_rollout(base_url: str, model: str) -> dict:
-    """tests/client/http_face/verifiers_rollout.py in the setup's verifiers venv."""
+def _in_framework_venv(venv: str, script: str, *args: str) -> dict:
+    """``script`` (beside this file) run by the setup's ``venv`` python: its JSON line."""
     import json
     import os
     import subprocess
 
-    from gateway.tiny_model import ensure_tiny_tokenizer
     from tests.client.http_face.conftest import TOKEN
 
-    python = ROOT / ".venv-verifiers" / "bin" / "python"
-    assert python.exists(), "scripts/setup.sh makes .venv-verifiers (verifiers 0.4.0)"
+    python = ROOT / venv / "bin" / "python"
+    assert python.exists(), f"scripts/setup.sh makes {venv}"
     env = {**os.environ, "ENGINE_GATEWAY_TEST_TOKEN": TOKEN, "PYTHONPATH": ""}
     done = subprocess.run(
-        [python, str(Path(__file__).with_name("verifiers_rollout.py")), base_url,
-         str(ensure_tiny_tokenizer()), model],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+        [python, str(Path(__file__).with_name(script)), *args],
+        capture_output=True, text=True, timeout=240, env=env, cwd="/",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run_verifiers_rollout(base_url: str, model: str) -> dict:
+    from gateway.tiny_model import ensure_tiny_tokenizer
+
+    tokenizer = str(ensure_tiny_tokenizer())
+    return _in_framework_venv(".venv-verifiers", "verifiers_rollout.py", base_url, tokenizer, model)
 
 
 async def test_verifiers_train_client_unchanged_over_three_turns_with_tool_messages(servers):
@@ -485,3 +490,44 @@ async def test_verifiers_train_client_unchanged_over_three_turns_with_tool_messa
         assert turn["completion_logprobs"] == [e["logprob"] for e in choice["logprobs"]["content"]]
         (sample,) = reference["samples"]
         assert turn["completion_ids"] == sample["token_ids"]
+
+
+async def test_trl_vllm_client_unchanged_generates_and_resets_the_prefix_cache(servers):
+    """TRL 1.16's VLLMClient, as released (one line added: the operator's token for the
+    control route), on a face whose data routes are open: two token-id prompts, n = 2
+    seeded samples, logprobs; the samples equal vllm serve's for the same completions body,
+    and TRL parsed the face's logprobs (the generate route's values, equal to vllm serve's:
+    above); reset_prefix_cache and TRL's server-info fields answer."""
+    from tests.client.http_face.conftest import TOKEN, face_over
+
+    async with face_over(servers["gateway"], api_key=TOKEN, open_data_routes=True) as (_, base):
+        trl = await asyncio.to_thread(_in_framework_venv, ".venv-trl", "trl_client.py", base)
+    assert "error" not in trl, trl
+    assert trl["prompt_ids"] == [[5, 6, 7], [8, 9]] and len(trl["completion_ids"]) == 4
+    body = {
+        "model": trl["model"],
+        "prompt": trl["prompt_ids"],
+        "n": 2,
+        "temperature": 0.9,
+        "max_tokens": 6,
+        "seed": 5,
+        "return_token_ids": True,
+    }
+    status, answer = await servers["vllm"].post("/v1/completions", body)
+    assert status == 200, answer
+    assert trl["completion_ids"] == [c["token_ids"] for c in answer["choices"]]
+    # TRL parsed the logprobs the face sent (the same body again: the same batch, so the
+    # same numerics; the tiny model's near-ties can flip between batch shapes).
+    status, again = await servers["face"].post("/v1/completions", {**body, "logprobs": 1})
+    assert status == 200 and trl["completion_ids"] == [c["token_ids"] for c in again["choices"]]
+    for choice in again["choices"]:
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        for position, top in enumerate(logprobs["top_logprobs"]):
+            ranked = sorted(top.items(), key=lambda item: -item[1])
+            assert trl["logprob_token_ids"][choice["index"]][position] == [
+                int(t.removeprefix("token_id:")) for t, _ in ranked
+            ]
+            assert trl["logprobs"][choice["index"]][position] == [v for _, v in ranked]
+    assert trl["world_size"] == 1 and trl["max_model_len"] == TEST_MAX_MODEL_LEN
+    assert trl["weight_transfer_config"] is None and trl["reset_prefix_cache"]
