@@ -44,6 +44,7 @@ ALL_TARGETS = [
     "gateway-ipc",
     "gateway-tcp",
     "vllm-http",
+    "gateway-http",  # vLLM's generate route served by `engine-gateway http` over the gateway
     "vllm-grpc",
     "vllm-grpc-final",
     "direct",
@@ -288,6 +289,7 @@ async def run(args: argparse.Namespace) -> dict:
         GatewayServer,
         GatewayTarget,
         GrpcTarget,
+        HttpFaceTarget,
         HttpTarget,
     )
 
@@ -314,7 +316,7 @@ async def run(args: argparse.Namespace) -> dict:
         max_model_len=min(MAX_MODEL_LEN, context or MAX_MODEL_LEN),
         max_num_seqs=args.max_num_seqs,
     )
-    real = [n for n in names if n in ("gateway-ipc", "gateway-tcp")]
+    real = [n for n in names if n in ("gateway-ipc", "gateway-tcp", "gateway-http")]
     server = GatewayServer(model, setup=setup) if real else None
     fake_server = FakeGatewayServer() if "gateway-fake" in names else None
     servers: list = [s for s in (server, fake_server) if s is not None]
@@ -335,6 +337,8 @@ async def run(args: argparse.Namespace) -> dict:
             else:
                 servers.append(GatewayServer(model, routing_flags(name), setup=engines))
                 targets.append(GatewayTarget(servers[-1], "ipc", name=name))
+        elif name == "gateway-http":
+            targets.append(HttpFaceTarget(server))
         elif name.startswith("gateway-"):
             targets.append(GatewayTarget(server, name.removeprefix("gateway-")))
         elif name == "vllm-http":

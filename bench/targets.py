@@ -43,6 +43,7 @@ __all__ = [
     "GatewayServer",
     "GatewayTarget",
     "HttpTarget",
+    "HttpFaceTarget",
     "GrpcTarget",
     "DirectTarget",
 ]
@@ -361,30 +362,86 @@ class HttpTarget:
         return self.process.engine_counters()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
-        record = RequestRecord(start=time.monotonic())
-        body = {
-            "token_ids": prompt,
-            "stream": True,
-            "sampling_params": {
-                "temperature": 0.0,
-                "max_tokens": max_tokens,
-                "ignore_eos": True,
-                "detokenize": False,
-            },
-        }
-        try:
-            async with self._session.post(self.url, json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-                async for line in resp.content:
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    record.got(sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ())))
-        except Exception as exc:
-            record.error = repr(exc)
-        record.end = time.monotonic()
-        return record
+        return await stream_generate_route(self._session, self.url, prompt, max_tokens)
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self.process.stop()
+
+
+async def stream_generate_route(
+    session: Any, url: str, prompt: list[int], max_tokens: int
+) -> RequestRecord:
+    """One streamed request to a ``/inference/v1/generate`` route (vLLM's or the face's)."""
+    record = RequestRecord(start=time.monotonic())
+    body = {
+        "token_ids": prompt,
+        "stream": True,
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "detokenize": False,
+        },
+    }
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                record.got(sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ())))
+    except Exception as exc:
+        record.error = repr(exc)
+    record.end = time.monotonic()
+    return record
+
+
+class HttpFaceTarget:
+    """``engine-gateway http`` (client.http_face) over the gateway's ipc address: vLLM's
+    generate route served by the face. Frontend CPU: the gateway's and the face's."""
+
+    def __init__(self, server: GatewayServer, name: str = "gateway-http"):
+        self.name = name
+        self.server = server
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/inference/v1/generate"
+        self.process = _Process(
+            [
+                sys.executable,
+                "-m",
+                "client.http_face",
+                "--gateway",
+                server.ipc,
+                "--port",
+                str(self.port),
+                "--connect-timeout",
+                "300",
+            ],
+            "http-face.log",
+        )
+        self._session: Any = None
+
+    async def start(self) -> None:
+        import aiohttp
+
+        await wait_http_healthy(self.port, self.process)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+        )
+
+    def frontend_cpu_s(self) -> float:
+        return _cpu_seconds(self.server.process.pid) + _cpu_seconds(self.process.pid)
+
+    def engine_counters(self) -> EngineCounters:
+        return self.server.process.engine_counters()
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
+        return await stream_generate_route(self._session, self.url, prompt, max_tokens)
 
     async def stop(self) -> None:
         if self._session is not None:
