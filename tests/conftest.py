@@ -51,6 +51,7 @@ LONGEST_FILES_FIRST = (
     "test_lifecycle.py",
     "test_gateway_group.py",
     "test_text_vs_vllm_server.py",
+    "test_face_vs_vllm_serve.py",
     "test_generation_defaults.py",
     "test_cli.py",
     "test_multimodal_architectures.py",

@@ -61,17 +61,31 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         served_model_name: str | None = None,
         api_key: str | None = None,
         open_data_routes: bool = False,
+        tokenizer: Any = None,
     ):
         self.pool = pool
         self.model = model
         self.model_name = served_model_name or model.name
         self.api_key = api_key
         self.open_data_routes = open_data_routes
+        self.tokenizer = tokenizer  # client.text's TextTokenizer: text on /v1/completions
         self.created = int(time.time())
         self.loras: dict[str, str] = {}  # adapter name -> the path it was loaded from
         # The face's request ids (as answered) -> the pool's ids, while live.
-        self.live: dict[str, str] = {}
+        self.live: dict[str, set[str]] = {}
         self.fingerprint = f"engine-gateway-{package_version()}"
+
+    # ---- live requests, by the id answered (callers may reuse one: each keeps its own)
+
+    def track(self, answer_id: str, pool_id: str) -> None:
+        self.live.setdefault(answer_id, set()).add(pool_id)
+
+    def untrack(self, answer_id: str, pool_id: str) -> None:
+        ids = self.live.get(answer_id)
+        if ids is not None:
+            ids.discard(pool_id)
+            if not ids:
+                del self.live[answer_id]
 
     # ---- access
 
@@ -115,13 +129,13 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         stream = self.pool.generate(
             body.token_ids, sampling, stream=bool(body.stream), options=options
         )
-        self.live[request_id] = stream.request_id
+        self.track(request_id, stream.request_id)
         try:
             if body.stream:
                 return await self._stream(request, body, request_id, stream, sampling.logprobs)
             return await self._whole(body, request_id, stream, sampling.logprobs)
         finally:
-            self.live.pop(request_id, None)
+            self.untrack(request_id, stream.request_id)
             await stream.aclose()  # an Abort when it is still live (the HTTP client left)
 
     async def _whole(
@@ -204,10 +218,10 @@ class HttpFace(CompletionRoutes, ControlRoutes):
             raise HttpError(400, "request_ids must be a list of strings", param="request_ids")
         if named:
             self.check_data_access(request)
-            ids = [self.live[i] for i in named if i in self.live]
+            ids = [pool_id for i in named for pool_id in self.live.get(i, ())]
         else:
             self.check_control_access(request)
-            ids = list(self.live.values())
+            ids = [pool_id for ids in self.live.values() for pool_id in ids]
         if ids:
             await self.pool.abort(ids)
         return json_answer({"status": "aborted", "aborted": len(ids)})

@@ -255,9 +255,12 @@ _UNSERVED_COMPLETION_FIELDS = {
 }
 
 
-def parse_completion(raw: bytes) -> tuple[CompletionBody, list[list[int]], dict[str, Any]]:
-    """The body of ``/v1/completions`` with token-id prompts: (body, prompts, sampling
-    fields); HttpError for text prompts (no tokenizer) and fields the face cannot serve."""
+def parse_completion(
+    raw: bytes, *, text_prompts: bool = False
+) -> tuple[CompletionBody, list[Any], dict[str, Any]]:
+    """The body of ``/v1/completions``: (body, prompts, the rest of its fields). Prompts are
+    token-id lists, and with ``text_prompts`` (a tokenizer) also strings; HttpError for
+    what the face cannot serve."""
     try:
         fields = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
@@ -274,30 +277,47 @@ def parse_completion(raw: bytes) -> tuple[CompletionBody, list[list[int]], dict[
     if body.echo or body.use_beam_search:
         name = "echo" if body.echo else "use_beam_search"
         raise HttpError(400, f"{name} is not served by engine-gateway", param=name)
-    prompt = body.prompt
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
-    ):
-        raise HttpError(
-            400,
-            "text prompts need a tokenizer, which this face does not load: send token ids"
-            " (client.text tokenizes on the client)",
-            param="prompt",
-        )
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
-    try:
-        prompts = msgspec.convert(prompt, list[list[int]])
-    except msgspec.ValidationError:
-        raise HttpError(
-            400, "prompt must be token ids or a list of them", kind="Bad Request", param="prompt"
-        ) from None
-    if not prompts or any(not p for p in prompts):
-        raise HttpError(400, "Prompt cannot be empty", param="prompt")
-    if any(t < 0 for p in prompts for t in p):
-        raise HttpError(400, "prompt token ids must not be negative", param="prompt")
+    prompts = _prompts(body.prompt, text_prompts)
     sampling = {k: v for k, v in fields.items() if k not in _COMPLETION_REQUEST_FIELDS}
     sampling.setdefault("max_tokens", 16)  # the completions API's default, as vLLM's
     if sampling.get("stop") == []:
         del sampling["stop"]
     return body, prompts, sampling
+
+
+def _prompts(prompt: Any, text_prompts: bool) -> list[Any]:
+    """A completions prompt as a list of prompts: token-id lists (and strings when
+    ``text_prompts``)."""
+    single = isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+    )
+    prompts = [prompt] if single else prompt
+    if not isinstance(prompts, list) or not prompts:
+        raise HttpError(400, "Prompt cannot be empty", param="prompt")
+    checked: list[Any] = []
+    for one in prompts:
+        if isinstance(one, str):
+            if not text_prompts:
+                raise HttpError(
+                    400,
+                    "text prompts need a tokenizer, which this face does not load: send token"
+                    " ids, or start it with --tokenizer",
+                    param="prompt",
+                )
+            if not one:
+                raise HttpError(400, "Prompt cannot be empty", param="prompt")
+            checked.append(one)
+            continue
+        try:
+            ids = msgspec.convert(one, list[int])
+        except msgspec.ValidationError:
+            raise HttpError(
+                400, "prompt must be token ids, text, or a list of them", kind="Bad Request",
+                param="prompt",
+            ) from None  # fmt: skip
+        if not ids:
+            raise HttpError(400, "Prompt cannot be empty", param="prompt")
+        if any(t < 0 for t in ids):
+            raise HttpError(400, "prompt token ids must not be negative", param="prompt")
+        checked.append(ids)
+    return checked

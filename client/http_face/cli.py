@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="generate, completions and models without the token (control routes keep it)",
     )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="the model's tokenizer folder: text prompts, text and stop strings on"
+        " /v1/completions (client.text; the text extra)",
+    )
     parser.add_argument("--served-model-name", help="the model's name in requests and /v1/models")
     parser.add_argument("--server-key", metavar="FILE", help="the gateways' public CURVE key")
     parser.add_argument("--client-key", metavar="FILE", help="this face's CURVE key_secret")
@@ -60,6 +66,11 @@ async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes
     from .app import HttpFace, serving
 
     logger = logging.getLogger("engine_gateway.http")
+    tokenizer = None
+    if args.tokenizer:
+        from client.text import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
     async with GatewayPool(
         args.gateway,
         name="http-face",
@@ -74,6 +85,7 @@ async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes
             served_model_name=args.served_model_name,
             api_key=args.api_key,
             open_data_routes=args.open_data_routes,
+            tokenizer=tokenizer,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

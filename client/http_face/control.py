@@ -90,8 +90,10 @@ class ControlRoutes:
         info = (await json_object(request)).get("init_info")
         if not isinstance(info, dict):
             raise HttpError(400, "init_info must be an object", param="init_info")
-        await self.on_every_gateway(lambda c: c.init_weight_transfer_engine(info))
-        return json_answer({"message": "Weight transfer initialized"})
+        done = await self.on_every_gateway(lambda c: c.init_weight_transfer_engine(info))
+        # The backend's answer, per gateway (the `cpu` backend's: the folder for the buffers).
+        results = [d.result for d in done]
+        return json_answer({"message": "Weight transfer initialized", "results": results})
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
         self.check_control_access(request)

@@ -9,6 +9,7 @@ still requires; vLLM's own fields (``token_id``, ``logprob``, ``rank``) are unch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from client.results import Completion
@@ -150,9 +151,9 @@ def generate_response(
     }
 
 
-def _stop_reason(reason: int | list[int] | None) -> int | None:
-    """vLLM's stop_reason: the stop token id; a gateway stop sequence (a list) has no
-    counterpart there (the face never asks for one), so it reads as its last id."""
+def _stop_reason(reason: int | list[int] | str | None) -> int | str | None:
+    """vLLM's stop_reason: the stop token id or stop string; a gateway stop sequence (a
+    list) has no counterpart there (the face never asks for one): its last id."""
     if isinstance(reason, list):
         return reason[-1] if reason else None
     return reason
@@ -192,10 +193,14 @@ def stream_chunk(
     return chunk
 
 
-def completion_logprobs(logprobs: Logprobs, top: int) -> dict[str, Any]:
-    """The OpenAI completions ``logprobs`` object as vLLM's server makes it with
-    ``return_tokens_as_token_ids``: tokens are ``token_id:N``; each position's
-    ``top_logprobs`` holds the sampled token and ``top`` more (-1: every candidate)."""
+def completion_logprobs(
+    logprobs: Logprobs, top: int, decode: Callable[[int], str] | None = None
+) -> dict[str, Any]:
+    """The OpenAI completions ``logprobs`` object as vLLM's server makes it: tokens are
+    ``token_id:N`` (``return_tokens_as_token_ids``, or no tokenizer), else ``decode(id)``;
+    each position's ``top_logprobs`` holds the sampled token and ``top`` more (-1: every
+    candidate)."""
+    name = decode or (lambda t: f"token_id:{t}")
     tokens, token_logprobs, tops, offsets = [], [], [], []
     last_len = 0
     for row_ids, row_logprobs, _ in zip(
@@ -204,12 +209,12 @@ def completion_logprobs(logprobs: Logprobs, top: int) -> dict[str, Any]:
         candidates: dict[int, float] = {}
         for token_id, logprob in zip(row_ids, row_logprobs, strict=True):
             candidates[token_id] = logprob
-        token = f"token_id:{row_ids[0]}"
+        token = name(row_ids[0])
         tokens.append(token)
         token_logprobs.append(max(candidates[row_ids[0]], LOGPROB_FLOOR))
         tops.append(
             {
-                f"token_id:{t}": max(lp, LOGPROB_FLOOR)
+                name(t): max(lp, LOGPROB_FLOOR)
                 for i, (t, lp) in enumerate(candidates.items())
                 if top == -1 or top >= i
             }
@@ -232,12 +237,13 @@ def completion_choice(
     prompt_token_ids: list[int] | None,
     *,
     streamed: bool,
+    text: str = "",
 ) -> dict[str, Any]:
-    """One choice of a completions answer (``finished``: the sample's Finished, or None
-    on a stream's chunk before its end)."""
+    """One choice of a completions answer (``finished``: how the sample ended, or None
+    on a stream's chunk before its end; ``text``: its text, "" without a tokenizer)."""
     choice: dict[str, Any] = {
         "index": index,
-        "text": "",
+        "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason_name(finished.finish_reason) if finished else None,
         "stop_reason": _stop_reason(finished.stop_reason) if finished else None,

@@ -26,7 +26,12 @@ async def face():
         engine_gateway(
             # 2048 (the model's own): a request that outlives pause -> update -> resume over
             # HTTP (the tiny model makes ~1000 tokens a second on the 2-core VM)
-            cpu_engine_args(enable_lora=True, max_lora_rank=8, max_model_len=2048),
+            cpu_engine_args(
+                enable_lora=True,
+                max_lora_rank=8,
+                max_model_len=2048,
+                weight_transfer_config={"backend": "cpu"},
+            ),
             control=ControlPolicy(open=True),
         ) as gateway,
         face_over(gateway, api_key=TOKEN) as (_, base),
@@ -157,3 +162,26 @@ async def test_unserved_routes_and_sleep_on_cpu_answer_clearly(face):
     assert status == 400 and answer["error"]["param"] == "level"
     status, answer = await face.post("/reset_prefix_cache")
     assert (status, answer) == (200, {"success": True})
+
+
+async def test_weight_transfer_routes_reach_the_gateways_backend(face):
+    """vLLM's weight-transfer routes through the face: the ``cpu`` backend's init answers
+    with its buffer folder; a TCP-store rendezvous (an init map with keys the backend does
+    not take) is refused naming them, before any engine call; an update opened and
+    finished with no chunks names the version the outputs then carry."""
+    status, answer = await face.post("/init_weight_transfer_engine", {"init_info": {}})
+    assert status == 200, answer
+    (result,) = answer["results"]
+    assert result["directory"]
+    rendezvous = {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2}
+    status, answer = await face.post("/init_weight_transfer_engine", {"init_info": rendezvous})
+    assert status == 400 and "master_address" in answer["error"]["message"], answer
+    assert (await face.post("/start_weight_update"))[0] == 200
+    status, answer = await face.post("/finish_weight_update", {"weight_version": "step-9"})
+    assert status == 200, answer
+    status, answer = await face.post(
+        "/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": GREEDY}
+    )
+    (choice,) = answer["choices"]
+    assert [s["version"] for s in choice["weight_versions"]] == ["step-9"]
+    assert (await face.post("/shutdown_weight_transfer_engine"))[0] == 200

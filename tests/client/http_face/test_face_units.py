@@ -57,6 +57,8 @@ def test_completion_bodies_take_ids_or_batches_and_refuse_text():
             parse_completion(raw)
     with pytest.raises(HttpError, match="suffix"):
         parse_completion(b'{"prompt": [1], "suffix": "x"}')
+    _, prompts, _ = parse_completion(b'{"prompt": ["hi", [4]]}', text_prompts=True)
+    assert prompts == ["hi", [4]]
 
 
 def test_logprob_rows_read_as_vllms_dict_of_candidates():

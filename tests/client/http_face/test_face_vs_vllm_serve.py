@@ -531,3 +531,34 @@ async def test_trl_vllm_client_unchanged_generates_and_resets_the_prefix_cache(s
             assert trl["logprobs"][choice["index"]][position] == [v for _, v in ranked]
     assert trl["world_size"] == 1 and trl["max_model_len"] == TEST_MAX_MODEL_LEN
     assert trl["weight_transfer_config"] is None and trl["reset_prefix_cache"]
+
+
+async def test_skyrl_remote_inference_client_unchanged(servers):
+    """SkyRL 0.3.0's RemoteInferenceClient, as released (its session given the operator's
+    token), driven as its generator does: a batch with session ids and logprobs equal to
+    vllm serve's for the same bodies; pause (keep) and resume with a request running loses
+    none of its tokens; reset_prefix_cache, world size; sleep refused with vLLM's reason on
+    the CPU engine, through SkyRL's own error."""
+    from gateway.tiny_model import ensure_tiny_tokenizer
+
+    model = servers["face_state"].model_name
+    sky = await asyncio.to_thread(
+        _in_framework_venv, ".venv-skyrl", "skyrl_client.py", servers["face"].base, model,
+        str(ensure_tiny_tokenizer()),
+    )  # fmt: skip
+    assert "error" not in sky, sky
+    for prompt, ids, logprobs, reason in zip(
+        [[5, 6, 7], [8, 9]], sky["response_ids"], sky["response_logprobs"], sky["stop_reasons"],
+        strict=True,
+    ):  # fmt: skip
+        body = {
+            "token_ids": prompt,
+            "sampling_params": {"temperature": 0.0, "max_tokens": 8, "logprobs": 1},
+        }
+        status, answer = await servers["vllm"].post("/inference/v1/generate", body)
+        (choice,) = answer["choices"]
+        assert (ids, reason) == (choice["token_ids"], choice["finish_reason"])
+        assert logprobs == [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert sky["across_tokens"] == 480
+    assert sky["world_size"] == [1, 1]
+    assert "Sleep mode is not supported" in sky["sleep"], sky["sleep"]

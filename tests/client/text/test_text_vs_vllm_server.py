@@ -295,3 +295,57 @@ async def test_a_stop_string_in_one_sample_aborts_only_that_sample(served: Serve
     assert done[1].token_ids == free[1].token_ids and done[1].finish_reason == FinishReason.LENGTH
     assert after["aborted_by_client"] == before["aborted_by_client"] + 1
     assert after["output_tokens"] - before["output_tokens"] < 450  # not 2 x 300
+
+
+def _merged_choices(answer: Any) -> list[tuple]:
+    """(index, text, token ids, finish reason, stop reason) of each choice of a completions
+    answer, whole or streamed (its SSE events, merged)."""
+    if isinstance(answer, dict):
+        events = [answer]
+    else:
+        assert answer[-1] == "[DONE]", answer[-2:]
+        events = answer[:-1]
+    merged: dict[int, list] = {}
+    for event in events:
+        for c in event["choices"]:
+            m = merged.setdefault(c["index"], [c["index"], "", [], None, None])
+            m[1] += c["text"]
+            m[2] += c["token_ids"] or []
+            if c["finish_reason"]:
+                m[3], m[4] = c["finish_reason"], c["stop_reason"]
+    return [tuple(merged[i]) for i in sorted(merged)]
+
+
+async def test_the_http_face_with_a_tokenizer_gives_vllms_text_for_text_prompts(served):
+    """``engine-gateway http --tokenizer``: /v1/completions with text prompts (a batch of
+    two), text, stop strings and special tokens as vLLM's server gives them, streamed and
+    not, greedy and seeded n = 2 (issue 69)."""
+    import aiohttp
+
+    from tests.client.http_face.conftest import Http, face_over
+
+    vllm_url = f"http://127.0.0.1:{served.server.port}"
+    async with (
+        face_over(served.gateway, tokenizer=served.tokenizer) as (_, base),
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
+    ):
+        face, vllm = Http(session, base), Http(session, vllm_url)
+        stops = 0
+        for seed in range(6):
+            prompts = [f"question {seed}: café 日本語 😀?", f"tell {seed} more"]
+            n = 2 if seed % 3 == 1 else 1
+            sampling = _sampling(seed if n == 1 else 3 * seed, n, {})
+            body = {"model": served.server.model, "prompt": prompts, "max_tokens": 30, **sampling}
+            status, free = await face.post("/v1/completions", body, headers=None)
+            assert status == 200, free
+            case = _case(seed, served.tokenizer, free["choices"][0]["text"])
+            asked = {**body, **case, "max_tokens": 40, "return_token_ids": True}
+            (fs, f_answer), (vs, v_answer) = await asyncio.gather(
+                face.post("/v1/completions", asked, headers=None),
+                vllm.post("/v1/completions", asked, headers=None),
+            )
+            assert (fs, vs) == (200, 200), (f_answer, v_answer)
+            got, expected = _merged_choices(f_answer), _merged_choices(v_answer)
+            assert got == expected, (served.kind, seed, case)
+            stops += sum(isinstance(c[4], str) for c in got)
+        assert stops >= 4, stops  # the cases do end on stop strings
