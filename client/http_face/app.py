@@ -301,15 +301,22 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         gateways = [{"state": r.state, "paused": r.paused} for r in healths]
         return json_answer({"vllm_config": config, "engine_gateway": {"gateways": gateways}})
 
-    # ---- control
-
     async def refused_route(self, request: web.Request) -> web.Response:
+        why = _REFUSED.get(request.path, "")
         raise HttpError(
-            501,
-            f"{request.path} is not served by engine-gateway's HTTP face"
+            404,
+            f"{request.path} is not served by engine-gateway's HTTP face{why}"
             " (docs/FRAMEWORKS.md lists its routes)",
-            kind="NotImplementedError",
+            kind="NotFoundError",
         )
+
+
+_REFUSED = {
+    "/v1/chat/completions": ": chat templates are the client's (client.text's Conversation)",
+    "/skyrl/v1/generate": ": routed experts are not served by the gateway",
+    "/tokenize": ": tokenize in the client (client.text)",
+    "/detokenize": ": detokenize in the client (client.text)",
+}
 
 
 @web.middleware
@@ -361,8 +368,11 @@ ROUTES: list[tuple[str, str, str]] = [
     ("POST", "/load_lora_adapter", "load_lora"),
     ("POST", "/v1/unload_lora_adapter", "unload_lora"),
     ("POST", "/unload_lora_adapter", "unload_lora"),
-    # vLLM routes the face names and refuses (a 501 naming the route, never a silent 404).
+    # vLLM routes the face names and refuses (a 404 naming the route and why).
     ("POST", "/v1/chat/completions", "refused_route"),
+    ("POST", "/skyrl/v1/generate", "refused_route"),
+    ("POST", "/tokenize", "refused_route"),
+    ("POST", "/detokenize", "refused_route"),
     ("POST", "/start_draft_weight_update", "refused_route"),
     ("POST", "/weight_checker", "refused_route"),
 ]

@@ -155,7 +155,8 @@ async def test_prime_rl_admin_sequence(face, tmp_path):
 
 async def test_unserved_routes_and_sleep_on_cpu_answer_clearly(face):
     status, answer = await face.post("/v1/chat/completions", {"messages": []})
-    assert status == 501 and "/v1/chat/completions" in answer["error"]["message"]
+    assert status == 404 and "/v1/chat/completions" in answer["error"]["message"]
+    assert "client.text" in answer["error"]["message"]
     status, answer = await face.post("/sleep?level=1")
     assert status == 400 and "Sleep mode is not supported" in answer["error"]["message"]
     status, answer = await face.post("/sleep?level=7")
