@@ -100,6 +100,13 @@ BAD_BODIES = {
 }
 
 
+async def _both(servers: dict, path: str, *args: Any, **kwargs: Any) -> tuple:
+    """The same call to vllm serve and to the face, at once: ((status, answer), ...)."""
+    return await asyncio.gather(
+        servers["vllm"].post(path, *args, **kwargs), servers["face"].post(path, *args, **kwargs)
+    )
+
+
 def _without_face_tokens(value: Any) -> Any:
     """The face's answer less the ``token`` it adds to each logprob entry (checked here:
     ``token_id:N`` of the entry's own id), and less the request's random id and time."""
@@ -156,10 +163,7 @@ def _merged_stream(events: list[Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(SAME_BODIES))
 async def test_generate_answers_as_vllm_serve(servers, name):
     body = SAME_BODIES[name]
-    (vs, v_body), (fs, f_body) = await asyncio.gather(
-        servers["vllm"].post("/inference/v1/generate", body),
-        servers["face"].post("/inference/v1/generate", body),
-    )
+    (vs, v_body), (fs, f_body) = await _both(servers, "/inference/v1/generate", body)
     assert (fs, vs) == (200, 200), (f_body, v_body)
     assert _comparable(_without_face_tokens(f_body)) == _comparable(v_body)
     if body["sampling_params"].get("logprobs") is not None:  # renderers' check passes
@@ -177,10 +181,7 @@ async def test_streamed_generate_answers_as_vllm_serve(servers, name):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    (vs, v_events), (fs, f_events) = await asyncio.gather(
-        servers["vllm"].post("/inference/v1/generate", body),
-        servers["face"].post("/inference/v1/generate", body),
-    )
+    (vs, v_events), (fs, f_events) = await _both(servers, "/inference/v1/generate", body)
     assert (fs, vs) == (200, 200)
     face, vllm = _merged_stream(_without_face_tokens(f_events)), _merged_stream(v_events)
     assert face == vllm
@@ -196,10 +197,7 @@ async def test_streamed_generate_answers_as_vllm_serve(servers, name):
 @pytest.mark.parametrize("name", list(BAD_BODIES))
 async def test_bad_bodies_get_vllm_serve_status_and_error_shape(servers, name):
     body = BAD_BODIES[name]
-    (vs, v_body), (fs, f_body) = await asyncio.gather(
-        servers["vllm"].post("/inference/v1/generate", body),
-        servers["face"].post("/inference/v1/generate", body),
-    )
+    (vs, v_body), (fs, f_body) = await _both(servers, "/inference/v1/generate", body)
     assert fs == vs and 400 <= fs < 500, (f_body, v_body)
     assert set(f_body) == {"error"} and set(f_body["error"]) == set(v_body["error"])
     assert (f_body["error"]["code"], f_body["error"]["type"]) == (
@@ -212,16 +210,12 @@ async def test_bad_bodies_get_vllm_serve_status_and_error_shape(servers, name):
 
 async def test_malformed_json_and_no_token_are_refused_as_vllm_serve(servers):
     for raw in (b"nope", b"{", b"[1, 2]"):
-        (vs, v_body), (fs, f_body) = await asyncio.gather(
-            servers["vllm"].post("/inference/v1/generate", raw=raw),
-            servers["face"].post("/inference/v1/generate", raw=raw),
-        )
+        (vs, v_body), (fs, f_body) = await _both(servers, "/inference/v1/generate", raw=raw)
         assert fs == vs == 400 and f_body["error"]["type"] == v_body["error"]["type"], raw
     body = SAME_BODIES["greedy"]
     for headers in (None, {"Authorization": "Bearer wrong"}):
-        (vs, _), (fs, f_body) = await asyncio.gather(
-            servers["vllm"].post("/inference/v1/generate", body, headers=headers),
-            servers["face"].post("/inference/v1/generate", body, headers=headers),
+        (vs, _), (fs, f_body) = await _both(
+            servers, "/inference/v1/generate", body, headers=headers
         )
         assert fs == vs == 401, f_body
 
@@ -358,17 +352,11 @@ def _comparable_completion(body: dict) -> dict:
 async def test_completions_with_token_id_prompts_answer_as_vllm_serve(servers, name):
     model = servers["face_state"].model_name
     body = {"model": model, **COMPLETIONS[name]}
-    (vs, v_body), (fs, f_body) = await asyncio.gather(
-        servers["vllm"].post("/v1/completions", body),
-        servers["face"].post("/v1/completions", body),
-    )
+    (vs, v_body), (fs, f_body) = await _both(servers, "/v1/completions", body)
     assert (fs, vs) == (200, 200), (f_body, v_body)
     assert _comparable_completion(f_body) == _comparable_completion(v_body)
     streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    (vs, v_events), (fs, f_events) = await asyncio.gather(
-        servers["vllm"].post("/v1/completions", streamed),
-        servers["face"].post("/v1/completions", streamed),
-    )
+    (vs, v_events), (fs, f_events) = await _both(servers, "/v1/completions", streamed)
     assert (fs, vs) == (200, 200)
 
     def merged(events: list) -> tuple[dict, dict]:
@@ -415,10 +403,7 @@ async def test_completion_logprobs_are_trls_shape_and_the_generate_routes_values
 
 async def test_text_prompts_are_refused_without_a_tokenizer(servers):
     body = {"prompt": "hello", "max_tokens": 2}
-    (vs, _), (fs, f_body) = await asyncio.gather(
-        servers["vllm"].post("/v1/completions", body),
-        servers["face"].post("/v1/completions", body),
-    )
+    (vs, _), (fs, f_body) = await _both(servers, "/v1/completions", body)
     assert fs == vs == 400 and "tokenizer" in f_body["error"]["message"]
 
 
