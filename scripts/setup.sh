@@ -77,7 +77,7 @@ framework_venv() {
         touch "$pins"
     fi
 }
-framework_venv verifiers alone verifiers==0.4.0 renderers==0.1.12
+framework_venv verifiers alone verifiers==0.4.0 renderers==0.1.12 msgspec  # msgspec: our client
 framework_venv trl over-main trl==1.16.0
 # SkyRL 0.3.0's RemoteInferenceClient: Python 3.12 (on 3.11 its pydantic models fail at
 # import), the package without its training dependencies (peft pulls a CUDA torch of

@@ -407,8 +407,9 @@ async def test_text_prompts_are_refused_without_a_tokenizer(servers):
     assert fs == vs == 400 and "tokenizer" in f_body["error"]["message"]
 
 
-def _in_framework_venv(venv: str, script: str, *args: str) -> dict:
-    """``script`` (beside this file) run by the setup's ``venv`` python: its JSON line."""
+def _in_framework_venv(venv: str, script: str, *args: str, our_client: bool = False) -> dict:
+    """``script`` (beside this file) run by the setup's ``venv`` python: its JSON line.
+    ``our_client``: with this repository on its path (the native adapters' client)."""
     import json
     import os
     import subprocess
@@ -417,7 +418,8 @@ def _in_framework_venv(venv: str, script: str, *args: str) -> dict:
 
     python = ROOT / venv / "bin" / "python"
     assert python.exists(), f"scripts/setup.sh makes {venv}"
-    env = {**os.environ, "ENGINE_GATEWAY_TEST_TOKEN": TOKEN, "PYTHONPATH": ""}
+    path = str(ROOT) if our_client else ""
+    env = {**os.environ, "ENGINE_GATEWAY_TEST_TOKEN": TOKEN, "PYTHONPATH": path}
     done = subprocess.run(
         [python, str(Path(__file__).with_name(script)), *args],
         capture_output=True, text=True, timeout=240, env=env, cwd="/",
@@ -426,11 +428,14 @@ def _in_framework_venv(venv: str, script: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _run_verifiers_rollout(base_url: str, model: str) -> dict:
+def _run_verifiers_rollout(target: str, model: str) -> dict:
     from gateway.tiny_model import ensure_tiny_tokenizer
 
     tokenizer = str(ensure_tiny_tokenizer())
-    return _in_framework_venv(".venv-verifiers", "verifiers_rollout.py", base_url, tokenizer, model)
+    native = not target.startswith("http")
+    return _in_framework_venv(
+        ".venv-verifiers", "verifiers_rollout.py", target, tokenizer, model, our_client=native
+    )
 
 
 async def test_verifiers_train_client_unchanged_over_three_turns_with_tool_messages(servers):
@@ -442,10 +447,16 @@ async def test_verifiers_train_client_unchanged_over_three_turns_with_tool_messa
     from tests.offline_reference import run_offline_reference
 
     model = servers["face_state"].model_name
-    face_run, vllm_run = await asyncio.gather(
+    face_run, vllm_run, native_run = await asyncio.gather(
         asyncio.to_thread(_run_verifiers_rollout, servers["face"].base, model),
         asyncio.to_thread(_run_verifiers_rollout, servers["vllm"].base, model),
+        asyncio.to_thread(_run_verifiers_rollout, servers["gateway"].addresses[0], model),
     )
+    # The native adapter (client.frameworks.verifiers, issue 70): the same rollout, id for
+    # id, over the socket.
+    refused_type, status, message = native_run.pop("refused")
+    assert (refused_type, status) == ("BadRequestError", 400) and "1000000" in message
+    assert native_run == face_run, native_run
     assert vllm_run["error"] == "MalformedGenerateResponseError", vllm_run
     assert "token_id:" in vllm_run["message"]
     turns = face_run["turns"]
