@@ -186,3 +186,37 @@ async def test_weight_transfer_routes_reach_the_gateways_backend(face):
     (choice,) = answer["choices"]
     assert [s["version"] for s in choice["weight_versions"]] == ["step-9"]
     assert (await face.post("/shutdown_weight_transfer_engine"))[0] == 200
+
+
+async def test_trl_grpo_trainer_steps_with_weight_pushes_through_the_native_client(face, tmp_path):
+    """TRL 1.16's GRPOTrainer, as released, two steps on the CPU (vllm_mode="server") with
+    client.frameworks.trl.GatewayVLLMClient in place of TRL's VLLMClient (issue 70 item 1):
+    each weight sync goes through the gateway's ``cpu`` weight-transfer backend, after each
+    the gateway's greedy output equals offline vLLM on the weights pushed, and the version
+    advances."""
+    from gateway.tiny_model import ensure_tiny_model, ensure_tiny_tokenizer
+    from tests.client.http_face.test_face_vs_vllm_serve import _in_framework_venv
+    from tests.offline_reference import run_offline_reference
+
+    done = await asyncio.to_thread(
+        _in_framework_venv, ".venv-trl", "trl_grpo.py", face.gateway.addresses[0],
+        str(ensure_tiny_model()), str(ensure_tiny_tokenizer()), str(tmp_path), our_client=True,
+    )  # fmt: skip
+    assert "error" not in done, done
+    assert done["steps"] == 2
+    syncs = done["syncs"]
+    assert [s["version"] for s in syncs] == ["trl-update-1", "trl-update-2", "trl-update-3"]
+    assert all(s["spans"] == [s["version"]] for s in syncs)
+    assert syncs[0]["greedy"] != syncs[-1]["greedy"]  # the steps changed the weights
+    greedy = {"temperature": 0.0, "max_tokens": 16}
+    for sync in syncs:
+        ((reference,),) = [
+            r["samples"]
+            for r in await asyncio.to_thread(
+                run_offline_reference,
+                sync["checkpoint"],
+                TEST_MAX_MODEL_LEN,
+                [{"prompt": [5, 6, 7, 8], "sampling": greedy}],
+            )
+        ]
+        assert sync["greedy"] == reference["token_ids"], sync["version"]
