@@ -555,6 +555,15 @@ async def test_skyrl_remote_inference_client_unchanged(servers):
         (choice,) = answer["choices"]
         assert (ids, reason) == (choice["token_ids"], choice["finish_reason"])
         assert logprobs == [e["logprob"] for e in choice["logprobs"]["content"]]
+    # The native adapter (client.frameworks.skyrl, issue 70 item 3): the multi-turn rollout,
+    # id for id and logprob for logprob, as RemoteInferenceClient's through the face.
+    native = await asyncio.to_thread(
+        _in_framework_venv, ".venv-skyrl", "skyrl_client.py", "native",
+        servers["gateway"].addresses[0], model, str(ensure_tiny_tokenizer()), our_client=True,
+    )  # fmt: skip
+    assert "error" not in native, native
+    assert native["rollout"] == sky["rollout"] and len(sky["rollout"]) == 2
+    assert native["world_size"] == [1, 1]
     assert sky["across_tokens"] == 480
     assert sky["world_size"] == [1, 1]
     assert "Sleep mode is not supported" in sky["sleep"], sky["sleep"]
