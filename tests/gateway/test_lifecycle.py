@@ -277,8 +277,11 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(gateway_process
             assert client.outputs_after_terminal(f"d{i}") == 0
     assert await asyncio.to_thread(gw.proc.wait, 60) == 0, gw.output()[-3000:]
     # Ended without the interpreter's teardown (gateway.quick_exit), whose end used to
-    # print hundreds of lines of triton's objects that nanobind counted as leaked.
-    assert "leaked" not in gw.output(), gw.output()[-3000:]
+    # print hundreds of lines of triton's objects that nanobind counted as leaked
+    # ("nanobind: leaked N instances!"). Not this check's concern: multiprocessing's
+    # resource-tracker note when vLLM force-kills a starved EngineCore 5 s after SIGTERM
+    # (seen once in CI; the tracker unlinks the segment itself).
+    assert "nanobind: leaked" not in gw.output(), gw.output()[-3000:]
 
 
 async def test_a_sigkilled_gateway_s_engine_stops_by_itself(gateway_process, tmp_path):
