@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from codec import (
     WeightVersionSpan,
 )
 
-__all__ = ["Completion", "Accumulator", "CompletionCalls"]
+__all__ = ["Completion", "Accumulator", "CompletionCalls", "completions_of"]
 
 
 @dataclass(slots=True)
@@ -84,6 +84,15 @@ class Accumulator:
         return completion
 
 
+async def completions_of(outputs: AsyncIterable[RequestOutput]) -> list[Completion]:
+    """A request's outputs (its stream, to its end) folded into one Completion per sample,
+    by index."""
+    acc = Accumulator()
+    async for out in outputs:
+        acc.add(out)
+    return [acc.done[i] for i in sorted(acc.done)]
+
+
 class CompletionCalls:
     """``complete()`` and ``complete_samples()`` over a class's streaming ``generate()``
     (AsyncClient, GatewayPool)."""
@@ -100,12 +109,11 @@ class CompletionCalls:
         options: RequestOptions | None = None,
     ) -> list[Completion]:
         """Run a non-streaming request; one Completion per sample, by index."""
-        acc = Accumulator()
-        async for out in self.generate(
-            prompt_token_ids, sampling, stream=False, request_id=request_id, options=options
-        ):
-            acc.add(out)
-        return [acc.done[i] for i in sorted(acc.done)]
+        return await completions_of(
+            self.generate(
+                prompt_token_ids, sampling, stream=False, request_id=request_id, options=options
+            )
+        )
 
     async def complete(
         self,

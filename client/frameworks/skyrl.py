@@ -25,7 +25,6 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
 
 from client.http_face.bodies import HttpError, sampling_from
 from client.http_face.responses import finish_reason_name, logprobs_content
-from client.results import Accumulator
 from client.weight_sync import asend_weights
 from codec import RequestOptions
 
@@ -72,10 +71,8 @@ class GatewayInferenceEngine(InferenceEngineInterface):
         async def one(i: int) -> Any:
             key = str(sessions[i]) if i < len(sessions) and sessions[i] is not None else None
             options = RequestOptions(cache_salt=salt, lora_name=lora, routing_key=key)
-            acc = Accumulator()
-            async for out in self.client.generate(ids[i], sampling, stream=False, options=options):
-                acc.add(out)
-            return acc.done[0]
+            (completion,) = await self.client.complete_samples(ids[i], sampling, options=options)
+            return completion
 
         done = await asyncio.gather(*(one(i) for i in range(len(ids))))
         decode = self.tokenizer.decode if self.tokenizer is not None else None

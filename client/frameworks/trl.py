@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from client.results import Accumulator
+from client.http_face.responses import candidate_rows, completion_candidates
 from client.sync import Client
 from client.weight_sync import send_weights
 from codec import Logprobs, SamplingParams
@@ -133,13 +133,8 @@ class GatewayVLLMClient:
         return out
 
     async def _all(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Any]]:
-        async def one(prompt: list[int]) -> list[Any]:
-            acc = Accumulator()
-            async for out in self.client._async.generate(prompt, sampling, stream=False):
-                acc.add(out)
-            return [acc.done[i] for i in sorted(acc.done)]
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        samples = self.client._async.complete_samples
+        return list(await asyncio.gather(*(samples(p, sampling) for p in prompts)))
 
     def reset_prefix_cache(self) -> None:
         self.client.reset_prefix_cache()
@@ -175,13 +170,10 @@ class GatewayVLLMClient:
 
 
 def _ranked(logprobs: Logprobs, top: int) -> list[list[tuple[int, float]]]:
-    """Per token, the sampled token and ``top`` more candidates, by descending logprob (as
-    TRL parses vLLM's completions logprobs)."""
-    ranked = []
-    for row_ids, row_logprobs in zip(logprobs.token_ids, logprobs.logprobs, strict=True):
-        candidates: dict[int, float] = {}
-        for token_id, logprob in zip(row_ids, row_logprobs, strict=True):
-            candidates[token_id] = logprob
-        kept = list(candidates.items())[: top + 1]
-        ranked.append(sorted(kept, key=lambda item: -item[1]))
-    return ranked
+    """Per token, the sampled token and ``top`` more candidates (the completions API's share),
+    by descending logprob (as TRL parses vLLM's completions logprobs)."""
+    return [
+        sorted(((t, lp) for t, (lp, _) in completion_candidates(candidates, top)),
+               key=lambda item: -item[1])
+        for _, candidates in candidate_rows(logprobs)
+    ]  # fmt: skip

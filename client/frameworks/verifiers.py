@@ -27,7 +27,7 @@ from client.errors import ClientError
 from client.http_face.bodies import HttpError, options_from, parse_generate, sampling_from
 from client.http_face.replies import error_of
 from client.http_face.responses import generate_response
-from client.results import Accumulator
+from client.results import completions_of
 from codec import ModelInfo
 
 __all__ = ["GatewayGenerate", "GatewayTrainClient"]
@@ -82,10 +82,8 @@ class GatewayGenerate:
                 stream=False,
                 options=options_from(request, lora, headers.get(SESSION_ID_HEADER)),
             )
-            acc = Accumulator()
             try:
-                async for out in stream:
-                    acc.add(out)
+                completions = await completions_of(stream)
             finally:
                 await stream.aclose()
         except (HttpError, ClientError) as exc:
@@ -94,7 +92,7 @@ class GatewayGenerate:
             f"generate-tokens-{stream.request_id}",
             request.model or model.name,
             int(time.time()),
-            [acc.done[i] for i in sorted(acc.done)],
+            completions,
             request.token_ids,
             top_logprobs=sampling.logprobs,
             return_token_ids=bool(request.return_token_ids),

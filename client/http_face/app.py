@@ -23,7 +23,7 @@ from aiohttp import web
 
 from client.errors import ClientError
 from client.pool import GatewayPool
-from client.results import Accumulator
+from client.results import completions_of
 from codec import ModelInfo
 
 from .bodies import (
@@ -35,12 +35,8 @@ from .bodies import (
 )
 from .completions import CompletionRoutes
 from .control import ControlRoutes
-from .replies import ENCODE, error_of, json_answer, json_object, package_version
-from .responses import (
-    generate_response,
-    stream_chunk,
-    usage,
-)
+from .replies import error_of, json_answer, json_object, package_version, sse
+from .responses import final_usage, generate_response, stream_chunk, usage
 
 __all__ = ["HttpFace", "build_app"]
 
@@ -141,10 +137,7 @@ class HttpFace(CompletionRoutes, ControlRoutes):
     async def _whole(
         self, body: GenerateBody, request_id: str, stream: Any, top: int | None
     ) -> web.Response:
-        acc = Accumulator()
-        async for out in stream:
-            acc.add(out)
-        completions = [acc.done[i] for i in sorted(acc.done)]
+        completions = await completions_of(stream)
         return json_answer(
             generate_response(
                 request_id,
@@ -189,20 +182,18 @@ class HttpFace(CompletionRoutes, ControlRoutes):
                     running_usage=running,
                 )
                 prompt_ids = None
-                await response.write(b"data: " + ENCODE.encode(chunk) + b"\n\n")
+                await response.write(sse(chunk))
                 try:
                     out = await anext(outputs)
                 except StopAsyncIteration:
                     break
             if include_usage:
-                total = sum(generated.values())
-                final = usage(prompt_tokens, total)
-                final = {k: v for k, v in final.items() if v is not None}
+                final = final_usage(prompt_tokens, sum(generated.values()))
                 last = {"request_id": request_id, "usage": final, "output_mode": "tokens"}
                 last["choices"] = []
-                await response.write(b"data: " + ENCODE.encode(last) + b"\n\n")
+                await response.write(sse(last))
         except ClientError as exc:  # mid-stream: vLLM sends the error as a data line
-            await response.write(b"data: " + ENCODE.encode(error_of(exc).body()) + b"\n\n")
+            await response.write(sse(error_of(exc).body()))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -269,6 +260,11 @@ class HttpFace(CompletionRoutes, ControlRoutes):
     async def _healths(self) -> list[Any]:
         return [r for r in (await self.pool.health()).values() if r is not None]
 
+    @staticmethod
+    def _ranks(healths: list[Any]) -> int:
+        """Data-parallel ranks over the gateways that answered (each gateway's engines)."""
+        return sum(max(len(r.engines), 1) for r in healths)
+
     async def is_paused(self, request: web.Request) -> web.Response:
         self.check_data_access(request)
         return json_answer({"is_paused": any(r.paused for r in await self._healths())})
@@ -276,8 +272,7 @@ class HttpFace(CompletionRoutes, ControlRoutes):
     async def world_size(self, request: web.Request) -> web.Response:
         """Data-parallel ranks over the pool's gateways (each gateway's engines)."""
         self.check_data_access(request)
-        ranks = sum(max(len(r.engines), 1) for r in await self._healths())
-        return json_answer({"world_size": ranks})
+        return json_answer({"world_size": self._ranks(await self._healths())})
 
     async def server_info(self, request: web.Request) -> web.Response:
         """vLLM's ``/server_info`` in its JSON form, with what the gateways tell: the model,
@@ -285,7 +280,6 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         not among them: ``weight_transfer_config`` is null (docs/FRAMEWORKS.md)."""
         self.check_data_access(request)
         healths = await self._healths()
-        ranks = sum(max(len(r.engines), 1) for r in healths)
         config = {
             "model_config": {
                 "model": self.model.name,
@@ -293,7 +287,7 @@ class HttpFace(CompletionRoutes, ControlRoutes):
                 "max_model_len": self.model.max_model_len,
                 "skip_tokenizer_init": True,
             },
-            "parallel_config": {"data_parallel_size": ranks},
+            "parallel_config": {"data_parallel_size": self._ranks(healths)},
             "weight_transfer_config": None,
         }
         if request.query.get("config_format") != "json":

@@ -48,7 +48,6 @@ _KINDS = {
     413: "BadRequestError",
     429: "RateLimitError",
     500: "InternalServerError",
-    501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
 
@@ -215,8 +214,8 @@ def options_from(
 
 
 class CompletionBody(msgspec.Struct, frozen=True):
-    """vLLM 0.32's ``CompletionRequest``, the fields a token-id prompt uses; the sampling
-    fields stay in the body (``completion_sampling`` reads them)."""
+    """vLLM 0.32's ``CompletionRequest``, its request-level fields; the sampling fields
+    are the body's other keys (``parse_completion`` returns them)."""
 
     prompt: Any  # ids, a batch of ids, text or texts: checked by parse_completion
     model: str | None = None
@@ -280,8 +279,6 @@ def parse_completion(
     prompts = _prompts(body.prompt, text_prompts)
     sampling = {k: v for k, v in fields.items() if k not in _COMPLETION_REQUEST_FIELDS}
     sampling.setdefault("max_tokens", 16)  # the completions API's default, as vLLM's
-    if sampling.get("stop") == []:
-        del sampling["stop"]
     return body, prompts, sampling
 
 

@@ -18,8 +18,8 @@ from aiohttp import web
 from codec import FinishReason, Logprobs, SamplingParams
 
 from .bodies import HttpError, options_from, parse_completion, sampling_from
-from .replies import ENCODE, Ended, error_of, json_answer
-from .responses import completion_choice, completion_logprobs, usage
+from .replies import Ended, error_of, json_answer, sse
+from .responses import completion_choice, completion_logprobs, final_usage, usage
 
 
 @dataclass(slots=True)
@@ -45,8 +45,13 @@ class Sample:
     end: Ended | None = None
 
 
-_TEXT_FIELDS = ("stop", "include_stop_str_in_output", "skip_special_tokens")
-_TEXT_FIELDS_ALL = (*_TEXT_FIELDS, "spaces_between_special_tokens")
+# vLLM's text-side fields, applied by client.text when the face has a tokenizer.
+_TEXT_FIELDS = (
+    "stop",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 
 
 class CompletionRoutes:
@@ -110,7 +115,7 @@ class CompletionRoutes:
             return None
         from client.text import TextError, TextParams
 
-        given = {k: fields.pop(k) for k in _TEXT_FIELDS_ALL if k in fields}
+        given = {k: fields.pop(k) for k in _TEXT_FIELDS if k in fields}
         stop = given.get("stop") or None
         try:
             return TextParams(
@@ -287,8 +292,7 @@ class _Answer:
         while True:
             p, piece = item
             if isinstance(piece, BaseException):
-                error = error_of(piece).body()
-                await response.write(b"data: " + ENCODE.encode(error) + b"\n\n")
+                await response.write(sse(error_of(piece).body()))
                 return
             if piece is None:
                 open_prompts -= 1
@@ -313,11 +317,9 @@ class _Answer:
                     streamed=True,
                     text=piece.text,
                 )
-                chunk = {**self.head, "choices": [choice]}
-                await response.write(b"data: " + ENCODE.encode(chunk) + b"\n\n")
+                await response.write(sse({**self.head, "choices": [choice]}))
             item = await queue.get()
         options = self.body.stream_options
         if options is not None and options.include_usage:
-            final = {k: v for k, v in usage(prompt_total, generated).items() if v is not None}
-            chunk = {**self.head, "choices": [], "usage": final}
-            await response.write(b"data: " + ENCODE.encode(chunk) + b"\n\n")
+            final = final_usage(prompt_total, generated)
+            await response.write(sse({**self.head, "choices": [], "usage": final}))

@@ -42,6 +42,11 @@ def package_version() -> str:
         return "unknown"
 
 
+def sse(event: Any) -> bytes:
+    """One server-sent event: ``data: <JSON>`` and the blank line that ends it."""
+    return b"data: " + ENCODE.encode(event) + b"\n\n"
+
+
 def json_answer(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=ENCODE.encode(body), status=status, content_type="application/json")
 

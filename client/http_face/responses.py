@@ -9,7 +9,7 @@ still requires; vLLM's own fields (``token_id``, ``logprob``, ``rank``) are unch
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from client.results import Completion
@@ -20,6 +20,9 @@ __all__ = [
     "generate_response",
     "stream_chunk",
     "usage",
+    "final_usage",
+    "candidate_rows",
+    "completion_candidates",
     "logprobs_content",
     "weight_spans",
 ]
@@ -43,21 +46,27 @@ def _clamp(logprob: float) -> float:
     return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
 
 
+def candidate_rows(logprobs: Logprobs) -> Iterator[tuple[int, dict[int, tuple[float, int]]]]:
+    """Per position, the sampled id and its candidates ``{id: (logprob, rank)}`` in the
+    engine's order, as vLLM's frontend builds its dict from a row [sampled, top1, top2, ...]:
+    an id met again (the sampled token among the top-k) keeps its first place and takes the
+    later entry's values (its top-k rank)."""
+    for row_ids, row_logprobs, sampled_rank in zip(
+        logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True
+    ):
+        candidates: dict[int, tuple[float, int]] = {}
+        for j, (token_id, logprob) in enumerate(zip(row_ids, row_logprobs, strict=True)):
+            candidates[token_id] = (logprob, sampled_rank if j == 0 else j)
+        yield row_ids[0], candidates
+
+
 def logprobs_content(logprobs: Logprobs, top: int) -> list[dict[str, Any]]:
     """vLLM's ``GenerateLogProbs.content`` for ``logprobs=top`` (-1: every candidate): per
     token the sampled entry, and its candidates in the engine's order (the sampled token
     first, each id once) cut to ``max(top, 1)``."""
     content = []
     keep = None if top == -1 else max(top, 1)
-    for row_ids, row_logprobs, sampled_rank in zip(
-        logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True
-    ):
-        # As vLLM's frontend builds its dict: an id met again (the sampled token among the
-        # top-k) keeps its first place and takes the later entry's values (its top-k rank).
-        candidates: dict[int, tuple[float, int]] = {}
-        for j, (token_id, logprob) in enumerate(zip(row_ids, row_logprobs, strict=True)):
-            candidates[token_id] = (logprob, sampled_rank if j == 0 else j)
-        sampled = row_ids[0]
+    for sampled, candidates in candidate_rows(logprobs):
         logprob, rank = candidates[sampled]
         entries = list(candidates.items())[:keep]
         content.append(
@@ -88,6 +97,11 @@ def weight_spans(spans: list[WeightVersionSpan] | None) -> list[dict[str, Any]] 
         {"version": s.version, "start": s.first_token, "end": s.first_token + s.num_tokens}
         for s in spans
     ]
+
+
+def final_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The usage of a stream's last chunk: vLLM sends it without its null fields."""
+    return {k: v for k, v in usage(prompt_tokens, completion_tokens).items() if v is not None}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -203,20 +217,14 @@ def completion_logprobs(
     name = decode or (lambda t: f"token_id:{t}")
     tokens, token_logprobs, tops, offsets = [], [], [], []
     last_len = 0
-    for row_ids, row_logprobs, _ in zip(
-        logprobs.token_ids, logprobs.logprobs, logprobs.ranks, strict=True
-    ):
-        candidates: dict[int, float] = {}
-        for token_id, logprob in zip(row_ids, row_logprobs, strict=True):
-            candidates[token_id] = logprob
-        token = name(row_ids[0])
+    for sampled, candidates in candidate_rows(logprobs):
+        token = name(sampled)
         tokens.append(token)
-        token_logprobs.append(max(candidates[row_ids[0]], LOGPROB_FLOOR))
+        token_logprobs.append(max(candidates[sampled][0], LOGPROB_FLOOR))
         tops.append(
             {
                 name(t): max(lp, LOGPROB_FLOOR)
-                for i, (t, lp) in enumerate(candidates.items())
-                if top == -1 or top >= i
+                for t, (lp, _) in completion_candidates(candidates, top)
             }
         )
         offsets.append(offsets[-1] + last_len if offsets else 0)
@@ -227,6 +235,15 @@ def completion_logprobs(
         "tokens": tokens,
         "top_logprobs": tops,
     }
+
+
+def completion_candidates(
+    candidates: dict[int, tuple[float, int]], top: int
+) -> list[tuple[int, tuple[float, int]]]:
+    """The completions API's share of a position's candidates: the sampled token and ``top``
+    more (-1: every one)."""
+    entries = list(candidates.items())
+    return entries if top == -1 else entries[: top + 1]
 
 
 def completion_choice(

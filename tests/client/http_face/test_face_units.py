@@ -80,6 +80,19 @@ def test_logprob_rows_read_as_vllms_dict_of_candidates():
     assert done["tokens"] == ["token_id:9", "token_id:12"]
     assert done["top_logprobs"] == [{"token_id:9": -1.0, "token_id:4": -0.5}, {"token_id:12": -0.1}]
     assert done["text_offset"] == [0, len("token_id:9")]
+    every = completion_logprobs(rows, top=-1)  # -1: every candidate
+    assert every["top_logprobs"] == [{"token_id:9": -1.0, "token_id:4": -0.5, "token_id:5": -2.0}]
+
+
+def test_trls_logprob_rows_are_the_completions_share_by_descending_logprob():
+    """client.frameworks.trl answers TRL's logprob shapes from the same candidates as the
+    face's completions route: the sampled token and ``logprobs`` more; -1: all of them."""
+    from client.frameworks.trl import _ranked
+
+    rows = Logprobs(token_ids=[[9, 4, 9, 5]], logprobs=[[-1.0, -0.5, -1.0, -2.0]], ranks=[3])
+    assert _ranked(rows, 0) == [[(9, -1.0)]]
+    assert _ranked(rows, 1) == [[(4, -0.5), (9, -1.0)]]
+    assert _ranked(rows, -1) == [[(4, -0.5), (9, -1.0), (5, -2.0)]]
 
 
 async def test_request_fields_reach_the_gateway_and_oversize_bodies_get_413():
