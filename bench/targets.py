@@ -294,7 +294,65 @@ class GatewayTarget:
             await self._client.aclose()
 
 
-class HttpTarget:
+async def stream_generate_route(
+    session: Any, url: str, prompt: list[int], max_tokens: int
+) -> RequestRecord:
+    """One streamed request to a ``/inference/v1/generate`` route (vLLM's or the face's)."""
+    record = RequestRecord(start=time.monotonic())
+    body = {
+        "token_ids": prompt,
+        "stream": True,
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "detokenize": False,
+        },
+    }
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                record.got(sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ())))
+    except Exception as exc:
+        record.error = repr(exc)
+    record.end = time.monotonic()
+    return record
+
+
+class _GenerateRouteTarget:
+    """A server of vLLM's ``/inference/v1/generate`` route (``self.process`` on
+    ``self.port``), driven over HTTP with SSE streaming."""
+
+    port: int
+    url: str
+    process: _Process
+    _session: Any = None
+
+    async def start(self) -> None:
+        import aiohttp
+
+        await wait_http_healthy(self.port, self.process)
+        # Keep-alive below uvicorn's 5 s, or reused connections fail (shared/ANCHORS.md).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+        )
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
+        return await stream_generate_route(self._session, self.url, prompt, max_tokens)
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self.process.stop()
+
+
+class HttpTarget(_GenerateRouteTarget):
     """vLLM's tokens-in/tokens-out endpoint (`vllm serve --tokens-only`), SSE streaming."""
 
     def __init__(
@@ -334,26 +392,6 @@ class HttpTarget:
             "vllm-serve.log",
             env={**setup.env, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})},
         )
-        self._session: Any = None
-
-    async def start(self) -> None:
-        import aiohttp
-
-        # Keep-alive below uvicorn's 5 s, or reused connections fail (shared/ANCHORS.md).
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.proc.poll() is not None:
-                break
-            with contextlib.suppress(aiohttp.ClientError):
-                async with self._session.get(f"http://127.0.0.1:{self.port}/health") as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(1)
-        raise RuntimeError(f"vllm serve did not start:\n{self.process.tail()}")
 
     def frontend_cpu_s(self) -> float:
         return frontend_cpu_seconds(self.process.pid)
@@ -361,46 +399,8 @@ class HttpTarget:
     def engine_counters(self) -> EngineCounters:
         return self.process.engine_counters()
 
-    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
-        return await stream_generate_route(self._session, self.url, prompt, max_tokens)
 
-    async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-        self.process.stop()
-
-
-async def stream_generate_route(
-    session: Any, url: str, prompt: list[int], max_tokens: int
-) -> RequestRecord:
-    """One streamed request to a ``/inference/v1/generate`` route (vLLM's or the face's)."""
-    record = RequestRecord(start=time.monotonic())
-    body = {
-        "token_ids": prompt,
-        "stream": True,
-        "sampling_params": {
-            "temperature": 0.0,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "detokenize": False,
-        },
-    }
-    try:
-        async with session.post(url, json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                record.got(sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ())))
-    except Exception as exc:
-        record.error = repr(exc)
-    record.end = time.monotonic()
-    return record
-
-
-class HttpFaceTarget:
+class HttpFaceTarget(_GenerateRouteTarget):
     """``engine-gateway http`` (client.http_face) over the gateway's ipc address: vLLM's
     generate route served by the face. Frontend CPU: the gateway's and the face's."""
 
@@ -423,30 +423,12 @@ class HttpFaceTarget:
             ],
             "http-face.log",
         )
-        self._session: Any = None
-
-    async def start(self) -> None:
-        import aiohttp
-
-        await wait_http_healthy(self.port, self.process)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None)
-        )
 
     def frontend_cpu_s(self) -> float:
         return _cpu_seconds(self.server.process.pid) + _cpu_seconds(self.process.pid)
 
     def engine_counters(self) -> EngineCounters:
         return self.server.process.engine_counters()
-
-    async def stream(self, prompt: list[int], max_tokens: int) -> RequestRecord:
-        return await stream_generate_route(self._session, self.url, prompt, max_tokens)
-
-    async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-        self.process.stop()
 
 
 class GrpcTarget:
