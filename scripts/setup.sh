@@ -79,19 +79,26 @@ framework_venv() {
 }
 framework_venv verifiers alone verifiers==0.4.0 renderers==0.1.12 msgspec  # msgspec: our client
 framework_venv trl over-main trl==1.16.0
-# SkyRL 0.3.0's RemoteInferenceClient: Python 3.12 (on 3.11 its pydantic models fail at
-# import), the package without its training dependencies (peft pulls a CUDA torch of
-# several GB) and with what its client imports, and pyzmq and msgspec for our adapter.
+# SkyRL 0.3.0's RemoteInferenceClient and SkyRLGymGenerator: Python 3.12 (on 3.11 its
+# pydantic models fail at import), the package without its training stack (peft,
+# flash-attn, vLLM 0.23), with what its client and its generator import: skyrl-gym 0.4.0
+# (the environments), ray 2.56 (its weight-sync requests import it), torch (the generator
+# imports it; the index's Linux build carries CUDA libraries, ~4.7 GB, run on the CPU
+# here), and pyzmq and msgspec for our adapter.
 python312=""
 for path in "$HOME"/.pyenv/versions/3.12.*/bin/python3.12; do [[ -x "$path" ]] && python312="$path"; done
 [[ -z "$python312" ]] && python312=$(command -v python3.12 || true)
 if [[ -n "$python312" ]]; then
     PYTHON="$python312" framework_venv skyrl no-deps skyrl==0.3.0
-    if [[ ! -f .venv-skyrl/.client-deps-2 ]]; then
+    if [[ ! -f .venv-skyrl/.client-deps-3 ]]; then
+        step "installing SkyRL's client and generator dependencies into .venv-skyrl (a minute or several)"
         .venv-skyrl/bin/python -m pip --disable-pip-version-check -q install aiohttp pydantic \
-            "transformers>=5.6.1,<=5.8.0" pyzmq msgspec 2>&1 | { grep -v -e "^WARNING: Location" \
-            -e "which is not installed" -e "dependency conflicts" -e "^skyrl" || true; }
-        touch .venv-skyrl/.client-deps-2
+            "transformers>=5.6.1,<=5.8.0" pyzmq msgspec torch==2.13.0 skyrl-gym==0.4.0 ray==2.56.0 \
+            loguru omegaconf 2>&1 | { grep -v -e "^WARNING: Location" -e "which is not installed" \
+            -e "dependency conflicts" -e "^skyrl" || true; }
+        .venv-skyrl/bin/python -c \
+            "import skyrl.train.generators.skyrl_gym_generator, skyrl.backends.skyrl_train.weight_sync"
+        touch .venv-skyrl/.client-deps-3
     fi
 else
     echo "setup: no Python 3.12 found: .venv-skyrl (SkyRL 0.3.0's client) not made" >&2

@@ -5,15 +5,19 @@ overridable (``get_inference_client()`` in ``train/entrypoints/main_base.py``); 
 is ``RemoteInferenceClient``. This one serves the same calls from an AsyncClient or
 GatewayPool you own: token-in/token-out ``generate`` (session ids as routing keys, cache
 salts, logprobs, LoRA by model name), pause/resume (keep), sleep/wake_up,
-reset_prefix_cache, world size. Responses' text is decoded with the tokenizer given, as
-SkyRL's contract says (``skip_special_tokens=True``). SkyRL's own weight-sync strategies
-(NCCL broadcast, CUDA IPC) are not served (``NotImplementedError`` naming the call); push
-weights with ``push_weights`` (the gateway's ``cpu`` backend) instead.
+reset_prefix_cache, world size, the policy's ``weight_version`` (the generator's cache salt).
+Responses' text is decoded with the tokenizer given, as SkyRL's contract says
+(``skip_special_tokens=True``). Weights: SkyRL's LoRA sync (its workers' ``LoraLoadRequest``
+to ``update_named_weights``, or ``load_lora_adapter`` as on its HTTP client) loads the
+adapter on every gateway, reloading a name already loaded; full weights go with
+``push_weights`` (the gateway's ``cpu`` backend). SkyRL's NCCL-broadcast and CUDA-IPC
+strategies are not served (``NotImplementedError`` naming the call).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,7 +32,22 @@ from client.http_face.responses import finish_reason_name, logprobs_content
 from client.weight_sync import asend_weights
 from codec import RequestOptions
 
-__all__ = ["GatewayInferenceEngine"]
+__all__ = ["GatewayInferenceEngine", "vllm_cache_salt"]
+
+# What vLLM 0.32's frontend (and so the gateway) refuses in a cache salt.
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+_SALT_MAX_LENGTH = 128
+
+
+def vllm_cache_salt(salt: str | None) -> str | None:
+    """SkyRL's cache salt as one vLLM 0.32 accepts. SkyRLGymGenerator salts with
+    ``"<policy>@<weight version>"`` when it names a policy (a LoRA adapter), and vLLM 0.32
+    refuses ``@`` (SkyRL 0.3.0 pins vLLM 0.23, which did not): such a salt, or one too
+    long, goes as ``skyrl-`` and its SHA-256, one salt per SkyRL salt, so the blocks of
+    each policy version stay apart as SkyRL means them to. Others go as they are."""
+    if not salt or (len(salt) <= _SALT_MAX_LENGTH and not _SALT_FORBIDDEN.intersection(salt)):
+        return salt
+    return "skyrl-" + hashlib.sha256(salt.encode()).hexdigest()
 
 
 class GatewayInferenceEngine(InferenceEngineInterface):
@@ -38,10 +57,22 @@ class GatewayInferenceEngine(InferenceEngineInterface):
         self.client = client
         self._model_name = model_name
         self.tokenizer = tokenizer
+        self._weight_version = 0
 
     @property
     def model_name(self) -> str:
         return self._model_name
+
+    @property
+    def weight_version(self) -> int:
+        """Weight syncs so far (0 before the first), as ``RemoteInferenceClient`` counts them:
+        ``SkyRLGymGenerator`` salts the prefix cache with it."""
+        return self._weight_version
+
+    def increment_weight_version(self) -> None:
+        """One more completed sync (SkyRL's dispatch calls it after each; ``push_weights``
+        counts its own)."""
+        self._weight_version += 1
 
     def _each(self) -> list[Any]:
         return [c for c in getattr(self.client, "clients", [self.client]) if c.connected]
@@ -66,7 +97,7 @@ class GatewayInferenceEngine(InferenceEngineInterface):
             raise ValueError(f"GatewayInferenceEngine.generate: {exc.message}") from None
         sessions = input_batch.get("session_ids") or []
         lora = None if model in (None, self._model_name) else model
-        salt = input_batch.get("cache_salt")
+        salt = vllm_cache_salt(input_batch.get("cache_salt"))
 
         async def one(i: int) -> Any:
             key = str(sessions[i]) if i < len(sessions) and sessions[i] is not None else None
@@ -125,15 +156,47 @@ class GatewayInferenceEngine(InferenceEngineInterface):
         )
 
     async def update_named_weights(self, request: Any) -> None:
-        raise NotImplementedError(
-            "GatewayInferenceEngine.update_named_weights: use push_weights (the cpu backend)"
-        )
+        """SkyRL's workers send a ``LoraLoadRequest`` here (a PEFT folder they wrote): it is
+        loaded under its ``lora_name``. Tensor-carrying requests (NCCL, CUDA IPC) are not
+        served."""
+        lora_path = getattr(request, "lora_path", None)
+        if not lora_path:
+            raise NotImplementedError(
+                f"GatewayInferenceEngine.update_named_weights: {type(request).__name__} (SkyRL's"
+                " NCCL and CUDA-IPC strategies are not served; push full weights with"
+                " push_weights, the cpu backend)"
+            )
+        name = getattr(request, "lora_name", "") or ""
+        if not name:
+            raise ValueError(
+                "GatewayInferenceEngine.update_named_weights: a LoraLoadRequest needs a"
+                " lora_name (the gateway serves adapters by name)"
+            )
+        await self.load_lora_adapter(name, lora_path)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load (or reload: SkyRL syncs an adapter under one name each step) ``lora_path``
+        as ``lora_name`` on every gateway; requests name it by ``model``. A request naming
+        it between the unload and the load of a reload is refused, not served by other
+        weights."""
+
+        async def one(client: Any) -> None:
+            if lora_name in await client.list_loras():
+                await client.unload_lora(lora_name)
+            await client.load_lora(lora_name, lora_path)
+
+        await asyncio.gather(*(one(c) for c in self._each()))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await asyncio.gather(*(c.unload_lora(lora_name) for c in self._each()))
 
     async def push_weights(self, named_tensors: Iterable[tuple[str, Any]], version: str) -> None:
         """The trainer's tensors (checkpoint names) into every gateway's engines, through the
-        ``cpu`` weight-transfer backend (trainer and engines on one host)."""
+        ``cpu`` weight-transfer backend (trainer and engines on one host); the weight
+        version advances once it is done."""
         tensors = list(named_tensors)
         await asyncio.gather(*(asend_weights(c, tensors, version=version) for c in self._each()))
+        self.increment_weight_version()
 
     async def teardown(self) -> None:
         """The gateway client is the caller's: it stays open."""

@@ -95,7 +95,6 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__) - _GATEWAY_ONLY
 _UNSERVED_SAMPLING: dict[str, tuple[Any, str]] = {
     "stop": ((None, []), "stop strings need a tokenizer: use stop_token_ids"),
     "bad_words": ((None, []), "bad_words are strings: send bad_words_token_ids"),
-    "include_stop_str_in_output": ((None, False), "stop strings need a tokenizer"),
     "structured_outputs": ((None,), "structured outputs are not served by the gateway"),
     "logprob_token_ids": ((None,), "logprobs of chosen token ids are not served"),
     "prompt_logprob_token_ids": ((None,), "prompt logprobs of chosen ids are not served"),
@@ -168,8 +167,9 @@ def sampling_from(fields: dict[str, Any]) -> SamplingParams:
         elif name == "detokenize" and value is not False and value is not True:
             raise HttpError(400, "sampling_params.detokenize must be a boolean", param=name)
         # Anything else is ignored, as vLLM ignores it: a field that only shapes text
-        # (skip_special_tokens, ...), which this token-id surface never makes, or one
-        # vLLM does not know.
+        # (skip_special_tokens, include_stop_str_in_output: stop strings are refused
+        # above, and a stop token id is in the ids either way), which this token-id
+        # surface never makes, or one vLLM does not know.
     if isinstance(taken.get("logit_bias"), dict):
         taken["logit_bias"] = _int_keyed(taken["logit_bias"])
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):

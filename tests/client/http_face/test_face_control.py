@@ -5,6 +5,7 @@ by the same name twice; and who may call them."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import aiohttp
@@ -220,3 +221,98 @@ async def test_trl_grpo_trainer_steps_with_weight_pushes_through_the_native_clie
             )
         ]
         assert sync["greedy"] == reference["token_ids"], sync["version"]
+
+
+def _turns(rollout: dict, row: int) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, generated ids)`` of each turn of trajectory ``row``, read as SkyRL's
+    trainer reads a GeneratorOutput: a generated run is a run of loss-mask 1s, and its
+    prompt is every id before it (the observations between are loss-mask 0)."""
+    prompt, response = rollout["prompt_token_ids"][row], rollout["response_ids"][row]
+    mask = rollout["loss_masks"][row]
+    assert len(mask) == len(response)
+    turns, start = [], None
+    for i, bit in enumerate([*mask, 0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            turns.append((prompt + response[:start], response[start:i]))
+            start = None
+    return turns
+
+
+async def test_skyrl_gym_generator_runs_multi_turn_episodes_over_the_native_engine(face, tmp_path):
+    """SkyRL 0.3.0's SkyRLGymGenerator, as released, on skyrl-gym 0.4.0's multi-turn GSM8K
+    environment, over client.frameworks.skyrl.GatewayInferenceEngine (issue 70 item 3):
+    each episode runs its three turns (observations between, loss-masked), the generator
+    finishes each session; the rollout equals the same rollout over SkyRL's own
+    RemoteInferenceClient through the face; and after each weight update the trainer
+    makes (full weights A, then B, through the cpu backend; a LoRA synced twice under one
+    name as SkyRL's workers sync it) every turn equals offline vLLM on those weights, and
+    the weight version the generator salts with advances."""
+    from gateway.tiny_model import ensure_tiny_model, ensure_tiny_tokenizer
+    from tests.client.http_face.test_face_vs_vllm_serve import _in_framework_venv
+    from tests.lora_adapter import make_tiny_lora
+    from tests.offline_reference import run_offline_reference
+
+    model_a, model_b = ensure_tiny_model(), ensure_tiny_model(weights_seed=1)
+    one = make_tiny_lora(tmp_path / "one", seed=1)
+    two = make_tiny_lora(tmp_path / "two", seed=2)
+    status, models = await face.get("/v1/models")
+    assert status == 200, models
+    done = await asyncio.to_thread(
+        _in_framework_venv, ".venv-skyrl", "skyrl_gym_rollout.py", face.base,
+        face.gateway.addresses[0], models["data"][0]["id"], str(ensure_tiny_tokenizer()),
+        str(model_a), str(model_b), str(one), str(two), our_client=True,
+    )  # fmt: skip
+    assert "error" not in done, done
+    fields = ("prompt_token_ids", "response_ids", "loss_masks", "rewards", "stop_reasons")
+    for field in fields:  # the native engine answers as SkyRL's HTTP client through the face
+        assert done["a"][field] == done["a_http"][field], field
+    ours, theirs = done["a"]["rollout_logprobs"], done["a_http"]["rollout_logprobs"]
+    for row, their_row in zip(ours, theirs, strict=True):
+        assert row == pytest.approx(their_row, abs=1e-4)
+    assert [done[k]["cache_salt"] for k in ("a", "b", "lora_one", "lora_two")] == [
+        "1", "2", "policy@3", "policy@4"
+    ]  # fmt: skip
+    assert done["loras"] == ["policy"] and "object" in done["refused"]
+    sampling = done["a"]["sampling"]
+    assert sampling["min_tokens"] == 1 and sampling["logprobs"] == 0  # SkyRL's own
+    offline_sampling = {
+        k: sampling[k] for k in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k",
+                                 "min_p", "logprobs")
+    }  # fmt: skip
+    cases: dict[str, list] = {}
+    for key in ("a", "b", "lora_one", "lora_two"):
+        rollout = done[key]
+        assert rollout["finished_sessions"] == ["q0_0", "q1_0"], key
+        assert len(rollout["response_ids"]) == 2
+        for row in range(2):
+            turns = _turns(rollout, row)
+            assert len(turns) == 3, (key, row)  # the environment asked twice more
+            for (before, generated), (after, _) in itertools.pairwise(turns):
+                assert after[: len(before)] == before  # token in, token out
+                assert after[len(before) : len(before) + len(generated)] == generated
+                assert len(after) > len(before) + len(generated)  # the observation
+            logprobs, mask = rollout["rollout_logprobs"][row], rollout["loss_masks"][row]
+            assert all(lp == 0.0 for lp, bit in zip(logprobs, mask, strict=True) if not bit)
+            lora = {"lora_one": ["one", 1, str(one)], "lora_two": ["two", 2, str(two)]}.get(key)
+            cases.setdefault(key, []).extend(
+                {"prompt": p, "sampling": offline_sampling, **({"lora": lora} if lora else {}),
+                 "generated": g}
+                for p, g in turns
+            )  # fmt: skip
+    assert done["b"]["response_ids"] != done["a"]["response_ids"]
+    assert done["lora_one"]["response_ids"] != done["lora_two"]["response_ids"]
+
+    def offline(model, keys: tuple[str, ...], keep: bool) -> None:  # noqa: ANN001
+        runs = [case for key in keys for case in cases[key]]
+        results = run_offline_reference(
+            str(model), TEST_MAX_MODEL_LEN,
+            [{k: v for k, v in c.items() if k != "generated"} for c in runs], keep=keep,
+        )  # fmt: skip
+        for case, result in zip(runs, results, strict=True):
+            (sample,) = result["samples"]
+            assert case["generated"] == sample["token_ids"], keys
+
+    await asyncio.to_thread(offline, model_a, ("a",), True)
+    await asyncio.to_thread(offline, model_b, ("b", "lora_one", "lora_two"), False)

@@ -72,6 +72,21 @@ SAME_BODIES = {
         "cache_salt": "episode-1",
         "priority": 0,
     },
+    "skyrl-trainer-body": {  # SkyRL 0.3.0's get_sampling_params_for_backend("vllm", ...)
+        "token_ids": [5, 6, 7],
+        "sampling_params": {
+            "min_tokens": 1,
+            "skip_special_tokens": True,
+            "include_stop_str_in_output": True,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "logprobs": 0,
+            "stop": None,
+        },
+    },
     "request-id-and-prompt-ids": {
         "request_id": "mine-1",
         "return_token_ids": True,
