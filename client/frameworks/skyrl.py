@@ -53,10 +53,20 @@ def vllm_cache_salt(salt: str | None) -> str | None:
 class GatewayInferenceEngine(InferenceEngineInterface):
     """SkyRL's inference client, served by a gateway (``client``: AsyncClient or pool)."""
 
-    def __init__(self, client: Any, model_name: str, tokenizer: Any = None):
+    def __init__(
+        self,
+        client: Any,
+        model_name: str,
+        tokenizer: Any = None,
+        *,
+        uses_lora_weight_sync: bool = False,
+    ):
         self.client = client
         self._model_name = model_name
         self.tokenizer = tokenizer
+        # As RemoteInferenceClient's: a trainer that syncs only LoRA adapters keeps the base
+        # weights through sleep (level 1), since nothing would bring them back on wake_up.
+        self.uses_lora_weight_sync = uses_lora_weight_sync
         self._weight_version = 0
 
     @property
@@ -144,6 +154,9 @@ class GatewayInferenceEngine(InferenceEngineInterface):
                                   " prompt_token_ids")  # fmt: skip
 
     async def sleep(self, level: int = 2, tags: list[str] | None = None, **_: Any) -> None:
+        """vLLM's sleep on every gateway's engines; level 1 whatever is asked when the
+        trainer syncs only LoRA adapters (``uses_lora_weight_sync``), as SkyRL's own client."""
+        level = 1 if self.uses_lora_weight_sync else level
         await asyncio.gather(*(c.sleep(level) for c in self._each()))
 
     async def wake_up(self, tags: list[str] | None = None, **_: Any) -> None:
@@ -206,11 +219,20 @@ class GatewayInferenceEngine(InferenceEngineInterface):
             *(c.reset_prefix_cache(reset_running=reset_running_requests) for c in self._each())
         )
 
-    async def pause_generation(self) -> None:
-        await asyncio.gather(*(c.pause("keep") for c in self._each()))
+    async def pause(self, mode: Any = "keep", clear_cache: bool = False) -> None:
+        """Pause every gateway's engines: ``keep``, ``wait`` or ``abort``, as
+        RemoteInferenceClient.pause (its PauseMode or the string)."""
+        mode = str(getattr(mode, "value", mode)).lower()
+        await asyncio.gather(*(c.pause(mode, clear_cache=clear_cache) for c in self._each()))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(c.resume() for c in self._each()))
+
+    async def pause_generation(self, clear_cache: bool = False) -> None:
+        await self.pause("keep", clear_cache=clear_cache)
 
     async def resume_generation(self) -> None:
-        await asyncio.gather(*(c.resume() for c in self._each()))
+        await self.resume()
 
     async def finish_session(self, session_id: str) -> None:
         """Nothing to release: the gateway's routing keys age out by themselves."""

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,6 +19,7 @@ import pytest
 from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
 
 TOKEN = "operator-token"
+ROOT = Path(__file__).resolve().parents[3]
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -102,3 +106,18 @@ async def servers() -> AsyncIterator[dict[str, Any]]:
             }
     finally:
         await asyncio.to_thread(vllm.stop)
+
+
+def in_framework_venv(venv: str, script: str, *args: str, our_client: bool = False) -> dict:
+    """``script`` (beside this file) run by the setup's ``venv`` python: its JSON line.
+    ``our_client``: with this repository on its path (the native adapters' client)."""
+    python = ROOT / venv / "bin" / "python"
+    assert python.exists(), f"scripts/setup.sh makes {venv}"
+    path = str(ROOT) if our_client else ""
+    env = {**os.environ, "ENGINE_GATEWAY_TEST_TOKEN": TOKEN, "PYTHONPATH": path}
+    done = subprocess.run(
+        [python, str(Path(__file__).with_name(script)), *args],
+        capture_output=True, text=True, timeout=240, env=env, cwd="/",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import json
 import aiohttp
 import pytest
 
-from tests.client.http_face.conftest import AUTH, TOKEN, Http, face_over
+from tests.client.http_face.conftest import AUTH, TOKEN, Http, face_over, in_framework_venv
 from tests.conftest import TEST_MAX_MODEL_LEN, cpu_engine_args, engine_gateway
 
 pytestmark = pytest.mark.engine
@@ -196,11 +196,10 @@ async def test_trl_grpo_trainer_steps_with_weight_pushes_through_the_native_clie
     the gateway's greedy output equals offline vLLM on the weights pushed, and the version
     advances."""
     from gateway.tiny_model import ensure_tiny_model, ensure_tiny_tokenizer
-    from tests.client.http_face.test_face_vs_vllm_serve import _in_framework_venv
     from tests.offline_reference import run_offline_reference
 
     done = await asyncio.to_thread(
-        _in_framework_venv, ".venv-trl", "trl_grpo.py", face.gateway.addresses[0],
+        in_framework_venv, ".venv-trl", "trl_grpo.py", face.gateway.addresses[0],
         str(ensure_tiny_model()), str(ensure_tiny_tokenizer()), str(tmp_path), our_client=True,
     )  # fmt: skip
     assert "error" not in done, done
@@ -250,7 +249,6 @@ async def test_skyrl_gym_generator_runs_multi_turn_episodes_over_the_native_engi
     name as SkyRL's workers sync it) every turn equals offline vLLM on those weights, and
     the weight version the generator salts with advances."""
     from gateway.tiny_model import ensure_tiny_model, ensure_tiny_tokenizer
-    from tests.client.http_face.test_face_vs_vllm_serve import _in_framework_venv
     from tests.lora_adapter import make_tiny_lora
     from tests.offline_reference import run_offline_reference
 
@@ -260,7 +258,7 @@ async def test_skyrl_gym_generator_runs_multi_turn_episodes_over_the_native_engi
     status, models = await face.get("/v1/models")
     assert status == 200, models
     done = await asyncio.to_thread(
-        _in_framework_venv, ".venv-skyrl", "skyrl_gym_rollout.py", face.base,
+        in_framework_venv, ".venv-skyrl", "skyrl_gym_rollout.py", face.base,
         face.gateway.addresses[0], models["data"][0]["id"], str(ensure_tiny_tokenizer()),
         str(model_a), str(model_b), str(one), str(two), our_client=True,
     )  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 from client.http_face.bodies import HttpError, parse_completion, parse_generate, sampling_from
 from client.http_face.responses import completion_logprobs, logprobs_content
 from codec import Logprobs
-from tests.client.http_face.conftest import AUTH, TOKEN, Http, face_over
+from tests.client.http_face.conftest import AUTH, TOKEN, Http, face_over, in_framework_venv
 from tests.conftest import running_gateway
 
 
@@ -131,3 +131,31 @@ async def test_request_fields_reach_the_gateway_and_oversize_bodies_get_413():
         assert status == 413 and answer["error"]["code"] == 413
         status, answer = await face.post("/no/such/route", {})
         assert status == 404 and set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+def test_skyrl_adapter_asks_the_gateway_what_skyrls_client_asks_vllm():
+    """client.frameworks.skyrl over a recording stand-in (in .venv-skyrl, where SkyRL
+    imports): sleep keeps the base weights (level 1) for a LoRA-only trainer, as SkyRL's
+    own client; pause modes (SkyRL's PauseMode or a string) and clear_cache reach the
+    gateway; a LoRA synced twice under one name is unloaded, then loaded; SkyRL's NCCL
+    request and a nameless LoraLoadRequest are refused by name; cache salts vLLM 0.32
+    refuses become one valid salt each, others go unchanged."""
+    done = in_framework_venv(".venv-skyrl", "skyrl_units.py", our_client=True)
+    pauses = [["pause", "abort", True], ["pause", "wait", False], ["pause", "keep", False]]
+    assert done["calls_lora_only_False"] == [["sleep", 2], *pauses, ["resume"]]
+    assert done["calls_lora_only_True"] == [["sleep", 1], *pauses, ["resume"]]
+    assert done["lora_calls"] == [
+        ["load_lora", "policy", "/adapters/one"],
+        ["unload_lora", "policy"],
+        ["load_lora", "policy", "/adapters/two"],
+    ]
+    (nccl_type, nccl), (nameless_type, nameless) = done["refusals"]
+    assert nccl_type == "NotImplementedError" and "BroadcastWeightUpdateRequest" in nccl
+    assert nameless_type == "ValueError" and "lora_name" in nameless
+    salts = done["salts"]
+    assert salts["3"] == "3" and salts["x" * 128] == "x" * 128
+    mapped = [salts[s] for s in ("policy@3", "policy@4", "a/b", "x" * 129)]
+    assert len(set(mapped)) == 4
+    for salt in mapped:
+        assert salt.startswith("skyrl-") and len(salt) <= 128
+        assert not set(salt) & set("@/\\\0")

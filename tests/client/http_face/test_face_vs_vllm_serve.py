@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.client.http_face.conftest import AUTH
+from tests.client.http_face.conftest import AUTH, in_framework_venv
 from tests.conftest import TEST_MAX_MODEL_LEN
-
-ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.engine
 
@@ -422,33 +419,12 @@ async def test_text_prompts_are_refused_without_a_tokenizer(servers):
     assert fs == vs == 400 and "tokenizer" in f_body["error"]["message"]
 
 
-def _in_framework_venv(venv: str, script: str, *args: str, our_client: bool = False) -> dict:
-    """``script`` (beside this file) run by the setup's ``venv`` python: its JSON line.
-    ``our_client``: with this repository on its path (the native adapters' client)."""
-    import json
-    import os
-    import subprocess
-
-    from tests.client.http_face.conftest import TOKEN
-
-    python = ROOT / venv / "bin" / "python"
-    assert python.exists(), f"scripts/setup.sh makes {venv}"
-    path = str(ROOT) if our_client else ""
-    env = {**os.environ, "ENGINE_GATEWAY_TEST_TOKEN": TOKEN, "PYTHONPATH": path}
-    done = subprocess.run(
-        [python, str(Path(__file__).with_name(script)), *args],
-        capture_output=True, text=True, timeout=240, env=env, cwd="/",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _run_verifiers_rollout(target: str, model: str) -> dict:
     from gateway.tiny_model import ensure_tiny_tokenizer
 
     tokenizer = str(ensure_tiny_tokenizer())
     native = not target.startswith("http")
-    return _in_framework_venv(
+    return in_framework_venv(
         ".venv-verifiers", "verifiers_rollout.py", target, tokenizer, model, our_client=native
     )
 
@@ -512,7 +488,7 @@ async def test_trl_vllm_client_unchanged_generates_and_resets_the_prefix_cache(s
     from tests.client.http_face.conftest import TOKEN, face_over
 
     async with face_over(servers["gateway"], api_key=TOKEN, open_data_routes=True) as (_, base):
-        trl = await asyncio.to_thread(_in_framework_venv, ".venv-trl", "trl_client.py", base)
+        trl = await asyncio.to_thread(in_framework_venv, ".venv-trl", "trl_client.py", base)
     assert "error" not in trl, trl
     assert trl["prompt_ids"] == [[5, 6, 7], [8, 9]] and len(trl["completion_ids"]) == 4
     body = {
@@ -554,7 +530,7 @@ async def test_skyrl_remote_inference_client_unchanged(servers):
 
     model = servers["face_state"].model_name
     sky = await asyncio.to_thread(
-        _in_framework_venv, ".venv-skyrl", "skyrl_client.py", servers["face"].base, model,
+        in_framework_venv, ".venv-skyrl", "skyrl_client.py", servers["face"].base, model,
         str(ensure_tiny_tokenizer()),
     )  # fmt: skip
     assert "error" not in sky, sky
@@ -573,7 +549,7 @@ async def test_skyrl_remote_inference_client_unchanged(servers):
     # The native adapter (client.frameworks.skyrl, issue 70 item 3): the multi-turn rollout,
     # id for id and logprob for logprob, as RemoteInferenceClient's through the face.
     native = await asyncio.to_thread(
-        _in_framework_venv, ".venv-skyrl", "skyrl_client.py", "native",
+        in_framework_venv, ".venv-skyrl", "skyrl_client.py", "native",
         servers["gateway"].addresses[0], model, str(ensure_tiny_tokenizer()), our_client=True,
     )  # fmt: skip
     assert "error" not in native, native
