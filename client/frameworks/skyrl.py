@@ -2,10 +2,11 @@
 
 SkyRL 0.3.0's generators (``SkyRLGymGenerator``) drive one inference client, documented as
 overridable (``get_inference_client()`` in ``train/entrypoints/main_base.py``); its HTTP one
-is ``RemoteInferenceClient``. This one serves the same calls from an AsyncClient or
-GatewayPool you own: token-in/token-out ``generate`` (session ids as routing keys, cache
-salts, logprobs, LoRA by model name), pause/resume (keep), sleep/wake_up,
-reset_prefix_cache, world size, the policy's ``weight_version`` (the generator's cache salt).
+is ``RemoteInferenceClient``. This one serves the same calls from the gateways' addresses
+(usable from any event loop, as SkyRL calls it) or an AsyncClient or GatewayPool you own:
+token-in/token-out ``generate`` (session ids as routing keys, cache salts, logprobs, LoRA
+by model name), pause/resume, sleep/wake_up, reset_prefix_cache, world size, the policy's
+``weight_version`` (the generator's cache salt).
 Responses' text is decoded with the tokenizer given, as SkyRL's contract says
 (``skip_special_tokens=True``). Weights: SkyRL's LoRA sync (its workers' ``LoraLoadRequest``
 to ``update_named_weights``, or ``load_lora_adapter`` as on its HTTP client) loads the
@@ -27,6 +28,7 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
     InferenceEngineOutput,
 )
 
+from client.any_loop import pool_on_own_loop
 from client.http_face.bodies import HttpError, sampling_from
 from client.http_face.responses import finish_reason_name, logprobs_content
 from client.weight_sync import asend_weights
@@ -51,7 +53,13 @@ def vllm_cache_salt(salt: str | None) -> str | None:
 
 
 class GatewayInferenceEngine(InferenceEngineInterface):
-    """SkyRL's inference client, served by a gateway (``client``: AsyncClient or pool)."""
+    """SkyRL's inference client, served by gateways.
+
+    ``client``: the gateways' addresses (a str or a list), connected here on a loop of the
+    engine's own (``client.any_loop``), so that it serves calls from any event loop, as
+    SkyRL makes them (``get_inference_client()`` runs with no loop, its trainer under
+    ``asyncio.run``); ``teardown()`` closes it. Or an AsyncClient or GatewayPool you
+    connected and own, used from its own loop only."""
 
     def __init__(
         self,
@@ -60,7 +68,14 @@ class GatewayInferenceEngine(InferenceEngineInterface):
         tokenizer: Any = None,
         *,
         uses_lora_weight_sync: bool = False,
+        **pool_kwargs: Any,
     ):
+        self._owned = isinstance(client, (str, list, tuple))
+        if self._owned:
+            pool_kwargs.setdefault("name", "skyrl")
+            client = pool_on_own_loop(client, **pool_kwargs)
+        elif pool_kwargs:
+            raise TypeError(f"pool options {sorted(pool_kwargs)} need addresses, not a client")
         self.client = client
         self._model_name = model_name
         self.tokenizer = tokenizer
@@ -212,7 +227,10 @@ class GatewayInferenceEngine(InferenceEngineInterface):
         self.increment_weight_version()
 
     async def teardown(self) -> None:
-        """The gateway client is the caller's: it stays open."""
+        """Close the gateways' pool made from addresses (its live requests are aborted);
+        a client given is the caller's, and stays open."""
+        if self._owned:
+            await self.client.aclose()
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         await asyncio.gather(

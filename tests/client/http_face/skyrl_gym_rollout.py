@@ -6,7 +6,9 @@ skyrl-gym 0.4.0's multi-turn GSM8K environment, in the venv the setup makes for 
     .venv-skyrl/bin/python tests/client/http_face/skyrl_gym_rollout.py \\
         FACE_URL GATEWAY_ADDR MODEL TOKENIZER_DIR WEIGHTS_A WEIGHTS_B LORA_ONE LORA_TWO
 
-The trainer's side of a run, in order: full weights A pushed (``push_weights``, the cpu
+The engine is made from the gateway's address with no event loop running, then used under
+one ``asyncio.run`` after another, as SkyRL's entry point uses its inference client. The
+trainer's side of a run, in order: full weights A pushed (``push_weights``, the cpu
 backend) -> a rollout, the same rollout through RemoteInferenceClient -> weights B pushed ->
 a rollout -> a LoRA synced as SkyRL's workers sync one (``update_named_weights`` with a
 ``LoraLoadRequest``, then the dispatch's ``increment_weight_version``) -> a rollout under
@@ -96,62 +98,88 @@ def _recording_sessions(engine_class):  # noqa: ANN001, ANN202
     return Recording
 
 
-async def run(face: str, address: str, model: str, tokenizer_dir: str, weights_a: str,
-              weights_b: str, lora_one: str, lora_two: str) -> dict:  # fmt: skip
-    import aiohttp
+def run(face: str, address: str, model: str, tokenizer_dir: str, weights_a: str,
+        weights_b: str, lora_one: str, lora_two: str) -> dict:  # fmt: skip
+    """As SkyRL's entry point drives its inference client: made with no event loop running
+    (``get_inference_client()``), then used under one ``asyncio.run`` after another."""
     from safetensors.torch import load_file
-    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
-        RemoteInferenceClient,
-    )
-    from skyrl.backends.skyrl_train.weight_sync import LoraLoadRequest
     from transformers import AutoTokenizer
 
-    from client import AsyncClient
     from client.frameworks.skyrl import GatewayInferenceEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     state_a = load_file(str(Path(weights_a) / "model.safetensors"))
     state_b = load_file(str(Path(weights_b) / "model.safetensors"))
+    engine = _recording_sessions(GatewayInferenceEngine)(address, model, tokenizer)
     out: dict = {}
-    async with AsyncClient(address, name="skyrl-gym") as gateway:
-        engine = _recording_sessions(GatewayInferenceEngine)(gateway, model, tokenizer)
-        await engine.push_weights(state_a.items(), version="skyrl-a")
-        out["a"] = await rollout(engine, tokenizer)
-
-        remote = _recording_sessions(RemoteInferenceClient)(
-            proxy_url=face, server_urls=[face], data_parallel_size=1, model_name=model,
-            tokenizer=tokenizer,
-        )  # fmt: skip
-        remote._session = aiohttp.ClientSession(  # the operator's token, as in FRAMEWORKS.md
-            headers={"Authorization": f"Bearer {os.environ['ENGINE_GATEWAY_TEST_TOKEN']}"},
-            timeout=aiohttp.ClientTimeout(total=None),
-        )
-        try:
-            out["a_http"] = await rollout(remote, tokenizer)
-        finally:
-            await remote.aclose()
-
-        await engine.push_weights(state_b.items(), version="skyrl-b")
-        out["b"] = await rollout(engine, tokenizer)
-
-        for key, folder in (("lora_one", lora_one), ("lora_two", lora_two)):
-            await engine.update_named_weights(LoraLoadRequest(lora_path=folder, lora_name="policy"))
-            engine.increment_weight_version()  # as SkyRL's dispatch does after each sync
-            out[key] = await rollout(engine, tokenizer, policy="policy")
-        out["loras"] = await gateway.list_loras()
-        try:
-            await engine.update_named_weights(object())
-        except NotImplementedError as exc:
-            out["refused"] = str(exc)
-
-        await engine.unload_lora_adapter("policy")
-        await engine.push_weights(state_a.items(), version="skyrl-restored")
+    try:
+        out.update(asyncio.run(base_weights(engine, tokenizer, face, model, state_a, state_b)))
+        out.update(asyncio.run(adapters(engine, tokenizer, lora_one, lora_two)))
+    finally:
+        asyncio.run(restore(engine, state_a))
     return out
+
+
+async def base_weights(engine, tokenizer, face: str, model: str, state_a, state_b) -> dict:  # noqa: ANN001
+    """Full weights A pushed, a rollout, the same rollout over RemoteInferenceClient through
+    the face; weights B pushed, a rollout."""
+    import aiohttp
+    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
+        RemoteInferenceClient,
+    )
+
+    out = {}
+    await engine.push_weights(state_a.items(), version="skyrl-a")
+    out["a"] = await rollout(engine, tokenizer)
+    remote = _recording_sessions(RemoteInferenceClient)(
+        proxy_url=face, server_urls=[face], data_parallel_size=1, model_name=model,
+        tokenizer=tokenizer,
+    )  # fmt: skip
+    remote._session = aiohttp.ClientSession(  # the operator's token, as in FRAMEWORKS.md
+        headers={"Authorization": f"Bearer {os.environ['ENGINE_GATEWAY_TEST_TOKEN']}"},
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
+    try:
+        out["a_http"] = await rollout(remote, tokenizer)
+    finally:
+        await remote.aclose()
+    await engine.push_weights(state_b.items(), version="skyrl-b")
+    out["b"] = await rollout(engine, tokenizer)
+    return out
+
+
+async def adapters(engine, tokenizer, lora_one: str, lora_two: str) -> dict:  # noqa: ANN001
+    """A LoRA synced as SkyRL's workers sync one, a rollout under its name; a second
+    adapter under the same name, a rollout."""
+    from skyrl.backends.skyrl_train.weight_sync import LoraLoadRequest
+
+    out = {}
+    for key, folder in (("lora_one", lora_one), ("lora_two", lora_two)):
+        await engine.update_named_weights(LoraLoadRequest(lora_path=folder, lora_name="policy"))
+        engine.increment_weight_version()  # as SkyRL's dispatch does after each sync
+        out[key] = await rollout(engine, tokenizer, policy="policy")
+    (gateway,) = engine.client.clients
+    out["loras"] = await gateway.list_loras()
+    try:
+        await engine.update_named_weights(object())
+    except NotImplementedError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+async def restore(engine, state_a) -> None:  # noqa: ANN001
+    """The engine as the test found it: no adapter, weights A; then the pool closed."""
+    try:
+        if "policy" in await engine.client.clients[0].list_loras():
+            await engine.unload_lora_adapter("policy")
+        await engine.push_weights(state_a.items(), version="skyrl-restored")
+    finally:
+        await engine.teardown()
 
 
 def main() -> None:
     try:
-        print(json.dumps(asyncio.run(run(*sys.argv[1:9]))))
+        print(json.dumps(run(*sys.argv[1:9])))
     except Exception as exc:  # the framework's own error, for the test to read
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
 

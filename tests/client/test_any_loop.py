@@ -1,0 +1,87 @@
+"""client.any_loop: a pool made with no event loop running, used under one asyncio.run after
+another (as SkyRL uses its inference client), against a gateway on the fake engine served
+from a thread of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from client import SamplingParams
+from client.any_loop import pool_on_own_loop
+from client.errors import GatewayUnavailable
+from gateway.auth import ControlPolicy
+from gateway.fake_engine import FakeEngine
+from tests.conftest import ipc_address, running_gateway
+
+LONG = SamplingParams(max_tokens=10_000, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def gateway_in_thread(engine: FakeEngine) -> Iterator[str]:
+    """A gateway on ``engine``, served on a loop of its own thread: its address."""
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder: dict = {}
+
+    async def serve() -> None:
+        async with running_gateway(engine, control=ControlPolicy(open=True)) as gateway:
+            holder["address"] = gateway.addresses[0]
+            started.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
+    thread.start()
+    assert started.wait(10)
+    try:
+        yield holder["address"]
+    finally:
+        loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
+        thread.join(10)
+
+
+def test_a_pool_on_its_own_loop_serves_calls_from_one_loop_after_another():
+    engine = FakeEngine(step_interval_s=0.01)
+    with gateway_in_thread(engine) as address:
+        pool = pool_on_own_loop(address, name="any-loop")  # no loop running here
+        try:
+            first = asyncio.run(pool.complete([5, 6], SamplingParams(max_tokens=3)))
+            second = asyncio.run(pool.complete([7], SamplingParams(max_tokens=2)))
+            assert (first.output_tokens, second.output_tokens) == (3, 2)
+            (gateway,) = pool.clients
+            assert gateway.connected and pool.connected == [address]
+            assert asyncio.run(gateway.pause("keep")).operation == "pause"
+            assert asyncio.run(gateway.resume()).operation == "resume"
+
+            async def cancelled_midway() -> None:
+                started = len(engine.added)
+                call = asyncio.ensure_future(pool.complete([8], LONG))
+                while len(engine.added) == started:
+                    await asyncio.sleep(0.01)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+
+            asyncio.run(asyncio.wait_for(cancelled_midway(), 10))
+            deadline = time.monotonic() + 5
+            while not engine.aborted and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.aborted == engine.added[-1:]  # the caller's cancel reached it
+            with pytest.raises(AttributeError, match="not a coroutine method"):
+                pool.generate([5])  # a stream would run on the caller's loop
+        finally:
+            pool.close()
+        assert not any(t.name == "gateway-pool-loop" for t in threading.enumerate())
+
+
+def test_no_gateway_answers_within_the_connect_timeout():
+    before = threading.active_count()
+    with pytest.raises(GatewayUnavailable):
+        pool_on_own_loop(ipc_address(), connect_timeout_s=0.3)
+    assert threading.active_count() == before  # its loop's thread is gone
