@@ -68,8 +68,15 @@ class GatewayInferenceEngine(InferenceEngineInterface):
         tokenizer: Any = None,
         *,
         uses_lora_weight_sync: bool = False,
+        enable_return_routed_experts: bool = False,
         **pool_kwargs: Any,
     ):
+        if enable_return_routed_experts:
+            raise NotImplementedError(
+                "GatewayInferenceEngine: enable_return_routed_experts (router replay: the"
+                " gateway does not return routed experts; without them SkyRL would train"
+                " without replay)"
+            )
         self._owned = isinstance(client, (str, list, tuple))
         if self._owned:
             pool_kwargs.setdefault("name", "skyrl")

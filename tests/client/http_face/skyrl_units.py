@@ -77,6 +77,10 @@ async def run() -> dict:
             await engine.update_named_weights(request)
         except (NotImplementedError, ValueError) as exc:
             refusals.append([type(exc).__name__, str(exc)])
+    try:
+        GatewayInferenceEngine(RecordingGateway(), "m", enable_return_routed_experts=True)
+    except NotImplementedError as exc:
+        refusals.append([type(exc).__name__, str(exc)])
     out["refusals"] = refusals
     out["salts"] = {
         salt: vllm_cache_salt(salt)

@@ -138,7 +138,7 @@ def test_skyrl_adapter_asks_the_gateway_what_skyrls_client_asks_vllm():
     imports): sleep keeps the base weights (level 1) for a LoRA-only trainer, as SkyRL's
     own client; pause modes (SkyRL's PauseMode or a string) and clear_cache reach the
     gateway; a LoRA synced twice under one name is unloaded, then loaded; SkyRL's NCCL
-    request and a nameless LoraLoadRequest are refused by name; cache salts vLLM 0.32
+    request, a nameless LoraLoadRequest and router replay are refused by name; cache salts vLLM 0.32
     refuses become one valid salt each, others go unchanged."""
     done = in_framework_venv(".venv-skyrl", "skyrl_units.py", our_client=True)
     pauses = [["pause", "abort", True], ["pause", "wait", False], ["pause", "keep", False]]
@@ -149,9 +149,10 @@ def test_skyrl_adapter_asks_the_gateway_what_skyrls_client_asks_vllm():
         ["unload_lora", "policy"],
         ["load_lora", "policy", "/adapters/two"],
     ]
-    (nccl_type, nccl), (nameless_type, nameless) = done["refusals"]
+    (nccl_type, nccl), (nameless_type, nameless), (replay_type, replay) = done["refusals"]
     assert nccl_type == "NotImplementedError" and "BroadcastWeightUpdateRequest" in nccl
     assert nameless_type == "ValueError" and "lora_name" in nameless
+    assert replay_type == "NotImplementedError" and "enable_return_routed_experts" in replay
     salts = done["salts"]
     assert salts["3"] == "3" and salts["x" * 128] == "x" * 128
     mapped = [salts[s] for s in ("policy@3", "policy@4", "a/b", "x" * 129)]
