@@ -295,6 +295,14 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         gateways = [{"state": r.state, "paused": r.paused} for r in healths]
         return json_answer({"vllm_config": config, "engine_gateway": {"gateways": gateways}})
 
+    async def finish_session(self, request: web.Request) -> web.Response:
+        """SkyRL's router route (``POST /finish_session?session_id=``), called at the end of
+        each trajectory to release what a session-aware router holds for it. The face holds
+        nothing per session (its X-Session-ID is each request's routing key, which the
+        gateways age out), so, as a router that tracks no sessions, it answers 200."""
+        self.check_data_access(request)
+        return web.Response(status=200)
+
     async def refused_route(self, request: web.Request) -> web.Response:
         why = _REFUSED.get(request.path, "")
         raise HttpError(
@@ -362,6 +370,7 @@ ROUTES: list[tuple[str, str, str]] = [
     ("POST", "/load_lora_adapter", "load_lora"),
     ("POST", "/v1/unload_lora_adapter", "unload_lora"),
     ("POST", "/unload_lora_adapter", "unload_lora"),
+    ("POST", "/finish_session", "finish_session"),  # SkyRL's router's
     # vLLM routes the face names and refuses (a 404 naming the route and why).
     ("POST", "/v1/chat/completions", "refused_route"),
     ("POST", "/skyrl/v1/generate", "refused_route"),

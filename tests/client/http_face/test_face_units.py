@@ -97,7 +97,8 @@ def test_trls_logprob_rows_are_the_completions_share_by_descending_logprob():
 
 async def test_request_fields_reach_the_gateway_and_oversize_bodies_get_413():
     """X-Session-ID is the routing key; cache_salt, priority and X-Request-Id map as the
-    native client's; a body over the face's limit is refused in vLLM's shape."""
+    native client's; a body over the face's limit is refused in vLLM's shape; SkyRL's
+    /finish_session answers 200 to the operator's token."""
     from gateway.fake_engine import FakeEngine
 
     @dataclasses.dataclass
@@ -131,6 +132,9 @@ async def test_request_fields_reach_the_gateway_and_oversize_bodies_get_413():
         assert status == 413 and answer["error"]["code"] == 413
         status, answer = await face.post("/no/such/route", {})
         assert status == 404 and set(answer["error"]) == {"message", "type", "param", "code"}
+        # SkyRL's router route, as its RemoteInferenceClient calls it after each trajectory.
+        assert (await face.post("/finish_session?session_id=episode-9"))[0] == 200
+        assert (await face.post("/finish_session?session_id=x", headers=None))[0] == 401
 
 
 def test_skyrl_adapter_asks_the_gateway_what_skyrls_client_asks_vllm():
