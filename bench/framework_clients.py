@@ -154,8 +154,8 @@ def main() -> None:
         return asyncio.run(verifiers(kind, target, model, tokenizer_dir, prompts, output_i))
 
     run(2)  # imports, connections, the renderer: not the batch's cost
-    # What the imports made (torch's and vLLM's objects where a venv has them: 350-500k)
-    # is frozen out of the collector: a full collection of them (0.2-0.3 s) would land in
+    # What the imports made (torch's and vLLM's objects where a venv has them: 350-680k)
+    # is frozen out of the collector: a full collection of them (0.2-0.4 s) would land in
     # one client's window by chance and be counted as that client's cost.
     gc.collect()
     gc.freeze()
