@@ -9,7 +9,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 
 import hypothesis  # noqa: F401  (imported while collecting: see below)
 import pytest
@@ -103,6 +104,31 @@ async def running_gateway(engine, limits=None, address=None, **kwargs) -> AsyncI
         gateway.stop(gateway.exit_code)
         async with asyncio.timeout(10):
             await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.contextmanager
+def gateway_in_thread(engine, **kwargs) -> Iterator:
+    """``running_gateway(engine, **kwargs)`` served on a loop of a thread of its own, for
+    tests whose own thread blocks or runs one event loop after another: the Gateway."""
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder: dict = {}
+
+    async def serve() -> None:
+        async with running_gateway(engine, **kwargs) as gateway:
+            holder["gateway"] = gateway
+            started.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
+    thread.start()
+    assert started.wait(10), "the gateway did not start within 10 s"
+    try:
+        yield holder["gateway"]
+    finally:
+        loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
+        thread.join(10)
 
 
 def cpu_engine_args(model: str | None = None, **overrides):

@@ -8,10 +8,8 @@ lagging consumers and sessions that expire or end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import signal
-import threading
 import time
 from collections.abc import Callable
 
@@ -46,7 +44,7 @@ from codec import (
 )
 from gateway.fake_engine import FakeEngine
 from gateway.sessions import GatewayLimits
-from tests.conftest import ipc_address, running_gateway
+from tests.conftest import gateway_in_thread, ipc_address, running_gateway
 
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 
@@ -264,46 +262,31 @@ async def test_a_pause_of_the_whole_process_ends_no_session():
 
 
 def test_the_blocking_client_times_out_and_aborts_the_request():
-    thread_loop = asyncio.new_event_loop()
     engine = FakeEngine(step_interval_s=0.2)
-    started = threading.Event()
-    holder: dict = {}
-
-    async def serve() -> None:
-        async with running_gateway(engine) as gw:
-            holder["gw"] = gw
-            started.set()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.Event().wait()
-
-    thread = threading.Thread(target=lambda: thread_loop.run_until_complete(serve()), daemon=True)
-    thread.start()
-    assert started.wait(10)
-    try:
-        with Client(holder["gw"].addresses[0], timeout_s=0.5) as client:
-            with pytest.raises(TimeoutError):
-                client.complete([5], LONG, request_id="slow")
-            deadline = time.monotonic() + 5
-            while not engine.aborted and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert engine.aborted, "the timed-out request was not aborted"
-            # Ctrl-C inside next() aborts the request too.
-            previous = signal.signal(signal.SIGALRM, _raise_keyboard_interrupt)
-            try:
-                signal.setitimer(signal.ITIMER_REAL, 0.3)
-                with pytest.raises(KeyboardInterrupt):
-                    for _ in client.generate([6], LONG, request_id="interrupted"):
-                        pass
-            finally:
-                signal.signal(signal.SIGALRM, previous)
-            deadline = time.monotonic() + 5
-            while len(engine.aborted) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert len(engine.aborted) == 2
-            assert client.complete([5], SamplingParams(max_tokens=1)).output_tokens == 1
-    finally:
-        thread_loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks()])
-        thread.join(10)
+    with (
+        gateway_in_thread(engine) as gw,
+        Client(gw.addresses[0], timeout_s=0.5) as client,
+    ):
+        with pytest.raises(TimeoutError):
+            client.complete([5], LONG, request_id="slow")
+        deadline = time.monotonic() + 5
+        while not engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.aborted, "the timed-out request was not aborted"
+        # Ctrl-C inside next() aborts the request too.
+        previous = signal.signal(signal.SIGALRM, _raise_keyboard_interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(KeyboardInterrupt):
+                for _ in client.generate([6], LONG, request_id="interrupted"):
+                    pass
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+        deadline = time.monotonic() + 5
+        while len(engine.aborted) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(engine.aborted) == 2
+        assert client.complete([5], SamplingParams(max_tokens=1)).output_tokens == 1
 
 
 def _raise_keyboard_interrupt(signum, frame):

@@ -1,14 +1,12 @@
 """client.any_loop: a pool made with no event loop running, used under one asyncio.run after
 another (as SkyRL uses its inference client), against a gateway on the fake engine served
-from a thread of its own."""
+from a thread of its own (tests.conftest.gateway_in_thread)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,38 +15,15 @@ from client.any_loop import pool_on_own_loop
 from client.errors import GatewayUnavailable
 from gateway.auth import ControlPolicy
 from gateway.fake_engine import FakeEngine
-from tests.conftest import ipc_address, running_gateway
+from tests.conftest import gateway_in_thread, ipc_address
 
 LONG = SamplingParams(max_tokens=10_000, ignore_eos=True)
 
 
-@contextlib.contextmanager
-def gateway_in_thread(engine: FakeEngine) -> Iterator[str]:
-    """A gateway on ``engine``, served on a loop of its own thread: its address."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    holder: dict = {}
-
-    async def serve() -> None:
-        async with running_gateway(engine, control=ControlPolicy(open=True)) as gateway:
-            holder["address"] = gateway.addresses[0]
-            started.set()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.Event().wait()
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
-    thread.start()
-    assert started.wait(10)
-    try:
-        yield holder["address"]
-    finally:
-        loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
-        thread.join(10)
-
-
 def test_a_pool_on_its_own_loop_serves_calls_from_one_loop_after_another():
     engine = FakeEngine(step_interval_s=0.01)
-    with gateway_in_thread(engine) as address:
+    with gateway_in_thread(engine, control=ControlPolicy(open=True)) as gateway:
+        address = gateway.addresses[0]
         pool = pool_on_own_loop(address, name="any-loop")  # no loop running here
         try:
             first = asyncio.run(pool.complete([5, 6], SamplingParams(max_tokens=3)))
