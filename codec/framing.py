@@ -89,6 +89,25 @@ def prompt_too_long(prompt_tokens: int, max_prompt_tokens: int) -> str:
     return f"prompt of {prompt_tokens} tokens exceeds max_prompt_tokens ({max_prompt_tokens})"
 
 
+MAX_CACHE_SALT_LEN = 128  # vLLM's, as its frontend's forbidden characters
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def cache_salt_problem(salt: str) -> str | None:
+    """Why vLLM's frontend (validate_cache_salt), and so a gateway, refuses ``salt``, in its
+    words; None for a salt it accepts."""
+    if not salt:
+        return (
+            "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"
+        )
+    if len(salt) > MAX_CACHE_SALT_LEN or not _SALT_FORBIDDEN.isdisjoint(salt):
+        return (
+            f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_LEN} characters and"
+            " must not contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)"
+        )
+    return None
+
+
 def decode_client(
     frames: Sequence[Buffer],
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,

@@ -17,8 +17,16 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from codec import Error, ErrorCode, Generate, Overloaded, RequestOptions, prompt_too_long
+from codec import (
+    Error,
+    ErrorCode,
+    Generate,
+    Overloaded,
+    RequestOptions,
+    prompt_too_long,
+)
 from codec.bounds import decode_kv_params, kv_params_given
+from codec.framing import cache_salt_problem
 
 from .multimodal_store import ItemProblem, isolated_id
 from .session_model import Client, Effects, GatewayState
@@ -172,10 +180,6 @@ def _stop_sequences_problem(table: SessionTable, msg: Generate) -> str | None:
     )
 
 
-MAX_CACHE_SALT_LEN = 128  # vLLM's, as its frontend's forbidden characters
-_SALT_FORBIDDEN = frozenset("@/\\\0")
-
-
 def _options_problem(options: RequestOptions | None) -> str | None:
     if options is None:
         return None
@@ -183,18 +187,8 @@ def _options_problem(options: RequestOptions | None) -> str | None:
         value = getattr(options, name)
         if value is not None and not 0 < value < 1e9:  # nan and inf fail too
             return f"{name} must be a number of seconds above 0, got {value}."
-    salt = options.cache_salt
-    if salt is not None:  # vLLM's frontend check (validate_cache_salt), in its words
-        if not salt:
-            return (
-                "Parameter 'cache_salt' must be a non-empty string if provided."
-                " (parameter=cache_salt)"
-            )
-        if len(salt) > MAX_CACHE_SALT_LEN or any(c in _SALT_FORBIDDEN for c in salt):
-            return (
-                f"Parameter 'cache_salt' must be at most {MAX_CACHE_SALT_LEN} characters and"
-                " must not contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)"
-            )
+    if options.cache_salt is not None and (problem := cache_salt_problem(options.cache_salt)):
+        return problem  # vLLM's frontend check, in its words
     key = options.routing_key
     if key is not None and len(key) > MAX_ROUTING_KEY_LEN:
         return f"routing_key must be at most {MAX_ROUTING_KEY_LEN} characters, got {len(key)}."

@@ -33,12 +33,9 @@ from client.http_face.bodies import HttpError, sampling_from
 from client.http_face.responses import finish_reason_name, logprobs_content
 from client.weight_sync import asend_weights
 from codec import RequestOptions
+from codec.framing import cache_salt_problem
 
 __all__ = ["GatewayInferenceEngine", "vllm_cache_salt"]
-
-# What vLLM 0.32's frontend (and so the gateway) refuses in a cache salt.
-_SALT_FORBIDDEN = frozenset("@/\\\0")
-_SALT_MAX_LENGTH = 128
 
 
 def vllm_cache_salt(salt: str | None) -> str | None:
@@ -47,7 +44,7 @@ def vllm_cache_salt(salt: str | None) -> str | None:
     refuses ``@`` (SkyRL 0.3.0 pins vLLM 0.23, which did not): such a salt, or one too
     long, goes as ``skyrl-`` and its SHA-256, one salt per SkyRL salt, so the blocks of
     each policy version stay apart as SkyRL means them to. Others go as they are."""
-    if not salt or (len(salt) <= _SALT_MAX_LENGTH and not _SALT_FORBIDDEN.intersection(salt)):
+    if not salt or cache_salt_problem(salt) is None:
         return salt
     return "skyrl-" + hashlib.sha256(salt.encode()).hexdigest()
 
