@@ -40,8 +40,7 @@ class OnOwnLoop:
         if inspect.iscoroutinefunction(value):
 
             async def on_own_loop(*args: Any, **kwargs: Any) -> Any:
-                future = asyncio.run_coroutine_threadsafe(value(*args, **kwargs), self._loop)
-                return await asyncio.wrap_future(future)
+                return await self._on_loop(value(*args, **kwargs))
 
             return on_own_loop
         if callable(value):
@@ -50,6 +49,10 @@ class OnOwnLoop:
                 " on the caller's loop, not the client's (use the client on its own loop)"
             )
         return value
+
+    async def _on_loop(self, coro: Any) -> Any:
+        """``coro`` run on the client's loop, awaited from the caller's."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
 
 class _OwnLoopPool(OnOwnLoop):
@@ -64,11 +67,9 @@ class _OwnLoopPool(OnOwnLoop):
     async def aclose(self) -> None:
         """Close the pool (its live requests are aborted), then stop its loop's thread."""
         try:
-            await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(self._target.aclose(), self._loop)
-            )
+            await self._on_loop(self._target.aclose())
         finally:
-            await asyncio.to_thread(self._stop)
+            await asyncio.to_thread(_stop_loop_thread, self._loop, self._thread)
 
     def close(self) -> None:
         """``aclose`` for a caller with no loop running."""
@@ -76,12 +77,13 @@ class _OwnLoopPool(OnOwnLoop):
             try:
                 asyncio.run_coroutine_threadsafe(self._target.aclose(), self._loop).result(30)
             finally:
-                self._stop()
+                _stop_loop_thread(self._loop, self._thread)
 
-    def _stop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+
+def _stop_loop_thread(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5)
 
 
 def pool_on_own_loop(addresses: str | Sequence[str], **pool_kwargs: Any) -> OnOwnLoop:
@@ -92,16 +94,13 @@ def pool_on_own_loop(addresses: str | Sequence[str], **pool_kwargs: Any) -> OnOw
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True, name="gateway-pool-loop")
     thread.start()
-    view: _OwnLoopPool | None = None
     try:
         # Made on its own loop: a pool's tasks and futures belong to the loop that made them.
         pool = asyncio.run_coroutine_threadsafe(_connected(addresses, pool_kwargs), loop).result()
-        view = _OwnLoopPool(pool, loop, thread)
-        return view
-    finally:
-        if view is None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
+    except BaseException:
+        _stop_loop_thread(loop, thread)
+        raise
+    return _OwnLoopPool(pool, loop, thread)
 
 
 async def _connected(addresses: list[str], pool_kwargs: dict[str, Any]) -> GatewayPool:
