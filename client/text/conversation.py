@@ -99,6 +99,8 @@ class Conversation:
     _texts: list[str] = field(default_factory=list)  # each turn's text, as kept
     _awaiting_completion: bool = False
     _ended_turn: bool = False  # the last completion ended on a special token
+    _ended_on: str = ""  # that token's text
+    _message_end: str | None = None  # the special token the template ends a message with
 
     @classmethod
     def start(
@@ -177,6 +179,9 @@ class Conversation:
         # Ended on a special token (its stop token): its turn is over, as sampled.
         special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
         self._ended_turn = special and reason in (None, FinishReason.STOP)
+        self._ended_on = (
+            self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if self._ended_turn else ""
+        )
         self._awaiting_completion = False
 
     def add_messages(self, messages: Sequence[Message]) -> list[int]:
@@ -217,12 +222,7 @@ class Conversation:
         assistant.pop("reasoning_content", None)
         rendered = self._render([*system, user, assistant, *messages], add_generation_prompt=True)
         if rendered.count(_SENTINEL) == 1:
-            delta = rendered[rendered.index(_SENTINEL) + len(_SENTINEL) :]
-            if self._ended_turn:
-                token = self._leading_special(delta)
-                if token is not None:
-                    delta = delta[len(token) :]
-            return delta
+            return self._less_sampled_end(rendered[rendered.index(_SENTINEL) + len(_SENTINEL) :])
         raise TextError(
             f"the chat template ({self.template_name}) does not print an assistant"
             " message's text as given (it formats, repeats or drops it), so no delta of ids"
@@ -238,9 +238,8 @@ class Conversation:
         token left out when the completion sampled its own."""
         rendered = self._render([*base, *messages], add_generation_prompt=True)
         sampled = self._texts[-1]
-        if self._ended_turn:
-            token = self._trailing_special(sampled)
-            sampled = sampled[: len(sampled) - len(token)] if token else sampled
+        if self._ended_on and sampled.endswith(self._ended_on):
+            sampled = sampled[: len(sampled) - len(self._ended_on)]
         at = rendered.find(sampled) if sampled else -1
         if at < 0:
             raise TextError(
@@ -248,22 +247,44 @@ class Conversation:
                 f" than it was sampled ({sampled[:60]!r}): pass the assistant message as the"
                 " template renders it, or its sampled text as the content without tool_calls"
             )
-        delta = rendered[at + len(sampled) :]
-        if self._ended_turn:
-            token = self._leading_special(delta)
-            if token is not None:
-                delta = delta[len(token) :]
+        return self._less_sampled_end(rendered[at + len(sampled) :])
+
+    def _less_sampled_end(self, delta: str) -> str:
+        """``delta`` less the end-of-turn token it starts with when the completion ended
+        on a special token (its turn is over as sampled): the token sampled, or the one
+        the template ends a message's text with (GPT-OSS renders <|end|> where <|return|>
+        was sampled). Any other special token it starts with is the next turn's header
+        (Metharme's <|user|>, where the template puts no end after an assistant message
+        and a model ends on its EOS): the next prompt's, kept."""
+        if not self._ended_on:
+            return delta
+        if delta.startswith(self._ended_on):
+            return delta[len(self._ended_on) :]
+        token = self._leading_special(delta)
+        if token is not None and token == self._end_of_message():
+            return delta[len(token) :]
         return delta
+
+    def _end_of_message(self) -> str:
+        """The special token the template prints right after a user message's text (its
+        end of turn: ChatML's <|im_end|>, GPT-OSS's <|end|>), or "" where it prints none
+        there (Metharme and GLM-4 go on with the next header)."""
+        if self._message_end is None:
+            try:
+                rendered = self._render(
+                    [{"role": "user", "content": _SENTINEL}], add_generation_prompt=True
+                )
+            except TextError:
+                rendered = ""
+            after = rendered.split(_SENTINEL, 1)[1] if rendered.count(_SENTINEL) == 1 else ""
+            self._message_end = self._leading_special(after) or ""
+        return self._message_end
 
     def _special_texts(self) -> set[str]:
         """The special and added tokens' texts."""
         tokenizer = self.tokenizer
         texts = tokenizer.all_special_tokens | {*tokenizer.added_token_text.values()}
         return {text for text in texts if text}
-
-    def _trailing_special(self, text: str) -> str | None:
-        """The special (or added) token ``text`` ends with, the longest, if any."""
-        return max(filter(text.endswith, self._special_texts()), key=len, default=None)
 
     def _leading_special(self, text: str) -> str | None:
         """The special (or added) token ``text`` starts with, the longest, if any."""

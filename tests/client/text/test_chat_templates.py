@@ -207,3 +207,51 @@ def test_a_metaspace_first_tokenizer_gets_no_extra_word_start_in_a_delta() -> No
         conversation.token_ids[-len(added) :]
         == tokenizer.hf.encode(whole, add_special_tokens=False)[-len(added) :]
     )
+
+
+def test_a_completion_ended_on_eos_keeps_the_next_turns_header(corpus):  # noqa: ANN001
+    """Issue 77 item 6: a model that ends its answer on its EOS (</s> here) where the
+    template puts no end of turn after an assistant message but the next turn's header
+    (axolotl's Metharme, TRL's GLM-4 MoE: <|user|>): the next prompt starts with that
+    header, as the template renders it. Where the template does end a message with a
+    special token (ChatML's <|im_end|>, Llama 3's <|eot_id|>), the turn is over as sampled
+    and that end is not added after the EOS."""
+    kept_headers, ended = [], []
+    for name, template in corpus.items():
+        tokenizer = corpus_runs.tokenizer_for(template)
+        eos = tokenizer.hf.convert_tokens_to_ids("</s>")
+        try:
+            conversation = Conversation.start(tokenizer, [corpus_runs.FIRST], template_name=name)
+        except TextError:
+            continue
+        conversation.add_completion(tokenizer.encode("It is 4.") + [eos])
+        before = conversation.text
+        try:
+            conversation.add_messages([corpus_runs.THINK_PROMPT])
+        except TextError:
+            continue
+        delta = conversation.text[len(before) :]
+        rendered = tokenizer.hf.apply_chat_template(
+            [corpus_runs.FIRST, {"role": "assistant", "content": "It is 4."},
+             corpus_runs.THINK_PROMPT],
+            tokenize=False, add_generation_prompt=True,
+        )  # fmt: skip
+        if "It is 4." not in rendered:
+            continue
+        after = rendered[rendered.index("It is 4.") + len("It is 4.") :].removeprefix("</s>")
+        lead = max(
+            (t for t in tokenizer.all_special_tokens if after.startswith(t)), key=len, default=None
+        )
+        if lead is None or lead == "</s>":
+            continue
+        user_only = tokenizer.hf.apply_chat_template(
+            [{"role": "user", "content": "QQQ"}], tokenize=False, add_generation_prompt=True
+        )
+        if user_only.split("QQQ", 1)[1].startswith(lead):  # the template's end of a message
+            assert not delta.startswith(lead), (name, delta[:40])
+            ended.append(name)
+        else:  # the next turn's header
+            assert delta.startswith(lead), (name, lead, delta[:40])
+            kept_headers.append(name)
+    assert {"axolotl/metharme", "trl/glm4moe"} <= set(kept_headers), kept_headers
+    assert len(ended) >= 20, ended
