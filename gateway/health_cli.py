@@ -5,7 +5,8 @@
         --client-key keys/clients/probe.key_secret
 
 Sends one GetHealth (no session needed) and prints the gateway's state. Exit status: 0 when
-it is serving; 1 when it answers but is not (draining, engine dead); 3 when no answer came
+it is serving; 1 when it answers but is not (draining, engine dead), or answers with what
+is not a gateway's health reply (another service on that port); 3 when no answer came
 within ``--timeout`` (with CURVE: often keys the gateway does not allow, since it answers
 nothing to those); 2 for a bad command line. Needs only pyzmq and msgspec.
 """
@@ -48,6 +49,13 @@ def health_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if bool(args.server_key) != bool(args.client_key):
         parser.error("--server-key and --client-key go together (a CURVE gateway needs both)")
+    if not 0 < args.timeout <= 86_400:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if not args.address.startswith(("tcp://", "ipc://")):
+        parser.error(
+            f"address {args.address!r}: give it as tcp://HOST:PORT or ipc://PATH"
+            " (e.g. tcp://127.0.0.1:5557)"
+        )
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -76,11 +84,20 @@ def health_main(argv: list[str]) -> int:
             )
             print(f"{args.address}: no answer within {args.timeout:g}s{hint}", file=sys.stderr)
             return EXIT_NO_ANSWER
-        reply = decode_server(sock.recv_multipart())
+        frames = sock.recv_multipart()
     finally:
         sock.close(0)
+    try:
+        reply = decode_server(frames)
+    except Exception as exc:  # noqa: BLE001 - whatever a peer that is no gateway sends
+        print(
+            f"{args.address}: the answer is not a gateway's ({type(exc).__name__}: {exc});"
+            " is another service on that address?",
+            file=sys.stderr,
+        )
+        return EXIT_NOT_SERVING
     if not isinstance(reply, HealthReply):
-        print(f"{args.address}: unexpected answer {reply!r}", file=sys.stderr)
+        print(f"{args.address}: unexpected answer {type(reply).__name__}", file=sys.stderr)
         return EXIT_NOT_SERVING
     loads = ", ".join(f"rank {e.engine_index}: {e.running} running" for e in reply.engines)
     print(

@@ -534,6 +534,41 @@ def test_the_health_command_says_whether_a_gateway_serves_with_curve_too(curve_k
     assert usage.value.code == 2
 
 
+def test_the_health_command_ends_in_its_codes_on_a_peer_that_is_no_gateway(capsys):
+    """Issue 77 item 13: a ROUTER that answers garbage gets exit 1 with a sentence, not a
+    traceback; a negative or zero --timeout and an address without its scheme are usage
+    errors (2), never a wait without end."""
+    import threading
+
+    import zmq
+
+    from gateway.health_cli import health_main
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_garbage() -> None:
+        if router.poll(5000):
+            peer, *_ = router.recv_multipart()
+            router.send_multipart([peer, b"\xc1 not msgpack", b"more"])
+
+    answering = threading.Thread(target=answer_garbage)
+    answering.start()
+    try:
+        assert health_main([f"tcp://127.0.0.1:{port}", "--timeout", "5"]) == 1
+        assert "is not a gateway's" in capsys.readouterr().err
+    finally:
+        answering.join()
+        router.close(0)
+    for argv in (["tcp://127.0.0.1:1", "--timeout", "-1"], ["tcp://127.0.0.1:1", "--timeout", "0"],
+                 ["127.0.0.1:5557"]):  # fmt: skip
+        with pytest.raises(SystemExit) as usage:
+            health_main(argv)
+        assert usage.value.code == 2, argv
+    assert "tcp://HOST:PORT" in capsys.readouterr().err
+
+
 def test_a_client_without_keys_at_a_curve_gateway_is_told_the_likely_cause(curve_keys):
     """Issue 72 item 5: no silent wait and no generic timeout: GatewayUnavailable naming
     the timeout used and CURVE keys as the likely cause, from the blocking Client too
