@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .errors import GatewayUnavailable
 from .pool import GatewayPool
 
 __all__ = ["OnOwnLoop", "pool_on_own_loop"]
@@ -51,7 +52,11 @@ class OnOwnLoop:
         return value
 
     async def _on_loop(self, coro: Any) -> Any:
-        """``coro`` run on the client's loop, awaited from the caller's."""
+        """``coro`` run on the client's loop, awaited from the caller's; GatewayUnavailable
+        at once when that loop was stopped (the pool closed), as a closed client raises."""
+        if self._loop.is_closed() or not self._loop.is_running():
+            coro.close()
+            raise GatewayUnavailable("client closed")
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
 
@@ -65,7 +70,10 @@ class _OwnLoopPool(OnOwnLoop):
         self._thread = thread
 
     async def aclose(self) -> None:
-        """Close the pool (its live requests are aborted), then stop its loop's thread."""
+        """Close the pool (its live requests are aborted), then stop its loop's thread and
+        close the loop. A second close does nothing; calls after it raise at once."""
+        if not self._loop.is_running():
+            return
         try:
             await self._on_loop(self._target.aclose())
         finally:
@@ -73,17 +81,22 @@ class _OwnLoopPool(OnOwnLoop):
 
     def close(self) -> None:
         """``aclose`` for a caller with no loop running."""
-        if self._loop.is_running():
-            try:
-                asyncio.run_coroutine_threadsafe(self._target.aclose(), self._loop).result(30)
-            finally:
-                _stop_loop_thread(self._loop, self._thread)
+        if not self._loop.is_running():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._target.aclose(), self._loop).result(30)
+        finally:
+            _stop_loop_thread(self._loop, self._thread)
 
 
 def _stop_loop_thread(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Stop ``loop`` (run by ``thread``), wait for the thread, and close the loop (its
+    selector and self-pipe: three file descriptors)."""
     if loop.is_running():
         loop.call_soon_threadsafe(loop.stop)
     thread.join(timeout=5)
+    if not thread.is_alive() and not loop.is_closed():
+        loop.close()
 
 
 def pool_on_own_loop(addresses: str | Sequence[str], **pool_kwargs: Any) -> OnOwnLoop:

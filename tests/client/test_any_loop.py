@@ -60,3 +60,45 @@ def test_no_gateway_answers_within_the_connect_timeout():
     with pytest.raises(GatewayUnavailable):
         pool_on_own_loop(ipc_address(), connect_timeout_s=0.3)
     assert threading.active_count() == before  # its loop's thread is gone
+
+
+def test_calls_after_close_raise_at_once_and_close_is_idempotent():
+    """Issue 77 item 5: after close() or aclose(), every call raises GatewayUnavailable at
+    once (as a closed AsyncClient's), a second close does nothing, and the loop is closed
+    (its file descriptors released, not left for the collector)."""
+    import os
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    engine = FakeEngine(step_interval_s=0.01)
+    with gateway_in_thread(engine, control=ControlPolicy(open=True)) as gateway:
+        address = gateway.addresses[0]
+        before = descriptors()
+        for closing in ("close", "aclose"):
+            pool = pool_on_own_loop(address, name=f"after-{closing}")
+            assert asyncio.run(pool.complete([5], SamplingParams(max_tokens=2))).output_tokens == 2
+            if closing == "close":
+                pool.close()
+                pool.close()
+            else:
+
+                async def twice() -> None:
+                    await pool.aclose()
+                    await pool.aclose()
+
+                asyncio.run(asyncio.wait_for(twice(), 10))
+            assert pool._loop.is_closed()
+
+            async def calls() -> None:
+                with pytest.raises(GatewayUnavailable):
+                    await pool.complete([5], SamplingParams(max_tokens=2))
+                (client,) = pool.clients
+                with pytest.raises(GatewayUnavailable):
+                    await client.health()
+
+            asyncio.run(asyncio.wait_for(calls(), 5))
+        deadline = time.monotonic() + 5
+        while descriptors() > before and time.monotonic() < deadline:
+            time.sleep(0.05)  # the sockets' own closing (zmq's reaper) may lag a little
+        assert descriptors() <= before
