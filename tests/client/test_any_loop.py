@@ -83,14 +83,14 @@ def test_calls_after_close_raise_at_once_and_close_is_idempotent():
                 pool.close()
             else:
 
-                async def twice() -> None:
+                async def twice(pool=pool) -> None:  # noqa: ANN001
                     await pool.aclose()
                     await pool.aclose()
 
                 asyncio.run(asyncio.wait_for(twice(), 10))
             assert pool._loop.is_closed()
 
-            async def calls() -> None:
+            async def calls(pool=pool) -> None:  # noqa: ANN001
                 with pytest.raises(GatewayUnavailable):
                     await pool.complete([5], SamplingParams(max_tokens=2))
                 (client,) = pool.clients
