@@ -88,8 +88,13 @@ async def completions_of(outputs: AsyncIterable[RequestOutput]) -> list[Completi
     """A request's outputs (its stream, to its end) folded into one Completion per sample,
     by index."""
     acc = Accumulator()
-    async for out in outputs:
-        acc.add(out)
+    try:
+        async for out in outputs:
+            acc.add(out)
+    finally:  # cancelled or failed midway: a stream still live is aborted when closed
+        close = getattr(outputs, "aclose", None)
+        if close is not None:
+            await close()
     return [acc.done[i] for i in sorted(acc.done)]
 
 

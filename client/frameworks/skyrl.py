@@ -31,6 +31,7 @@ from skyrl.backends.skyrl_train.inference_servers.base import (
 from client.any_loop import pool_on_own_loop
 from client.http_face.bodies import HttpError, sampling_from
 from client.http_face.responses import finish_reason_name, logprobs_content
+from client.tasks import all_or_none
 from client.weight_sync import asend_weights
 from codec import RequestOptions
 from codec.framing import cache_salt_problem
@@ -118,7 +119,13 @@ class GatewayInferenceEngine(InferenceEngineInterface):
         if input_batch.get("mm_features"):
             raise NotImplementedError("GatewayInferenceEngine.generate: multimodal features")
         fields = dict(input_batch.get("sampling_params") or {})
-        if fields.get("n", 1) > 1:
+        if fields.get("n") is None:  # absent or null: one sample, as vLLM's default
+            fields.pop("n", None)
+        elif not isinstance(fields["n"], int) or isinstance(fields["n"], bool):
+            raise ValueError(
+                f"GatewayInferenceEngine.generate: n must be an integer, got {fields['n']!r}"
+            )
+        elif fields["n"] > 1:
             raise ValueError("n > 1 is not supported. Use `n_samples_per_prompt`, as SkyRL says.")
         try:
             sampling = sampling_from(fields)
@@ -134,7 +141,7 @@ class GatewayInferenceEngine(InferenceEngineInterface):
             (completion,) = await self.client.complete_samples(ids[i], sampling, options=options)
             return completion
 
-        done = await asyncio.gather(*(one(i) for i in range(len(ids))))
+        done = await all_or_none(one(i) for i in range(len(ids)))  # one refused: all aborted
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return InferenceEngineOutput(
             responses=[

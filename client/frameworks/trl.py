@@ -16,13 +16,14 @@ with ``GRPOConfig(vllm_server_base_url="tcp://gateway:5557", ...)``. Blocking, a
 
 from __future__ import annotations
 
-import asyncio
-import itertools
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
+from client.errors import ClientError
 from client.http_face.responses import candidate_rows, completion_candidates
 from client.sync import Client
+from client.tasks import all_or_none
 from client.weight_sync import send_weights
 from codec import Logprobs, SamplingParams
 
@@ -55,7 +56,7 @@ class GatewayVLLMClient:
         self.base_url = base_url
         self.model = client.model_info().model.name
         self.weight_versions: list[str] = []  # the versions pushed, in order
-        self._updates = itertools.count(1)
+        self._pushed = False  # a push opened the gateway's weight transfer (closed by close())
 
     # ---- what TRL reads of the server
 
@@ -106,6 +107,15 @@ class GatewayVLLMClient:
                                       " served by the gateway")  # fmt: skip
         if any(isinstance(p, str) for p in prompts):
             raise ValueError("GatewayVLLMClient.generate: prompts must be token ids")
+        extra = dict(generation_kwargs or {})
+        for name in _TEXT_ONLY_KWARGS:  # shape text only: the ids are the same either way
+            extra.pop(name, None)
+        unknown = sorted(set(extra) - set(SamplingParams.__struct_fields__))
+        if unknown:
+            raise ValueError(
+                f"GatewayVLLMClient.generate: generation_kwargs {unknown} are not sampling"
+                " parameters the gateway serves (docs/REQUESTS.md lists them)"
+            )
         fields = {
             "n": n,
             "repetition_penalty": repetition_penalty,
@@ -115,7 +125,7 @@ class GatewayVLLMClient:
             "min_p": min_p,
             "max_tokens": max_tokens,
             "logprobs": logprobs,
-            **(generation_kwargs or {}),
+            **extra,
         }
         sampling = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
         samples = self.client._run(self._all(prompts, sampling))  # type: ignore[arg-type]
@@ -133,8 +143,16 @@ class GatewayVLLMClient:
         return out
 
     async def _all(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Any]]:
+        """Every prompt's samples; one refused prompt aborts the batch's other requests."""
         samples = self.client._async.complete_samples
-        return list(await asyncio.gather(*(samples(p, sampling) for p in prompts)))
+        return await all_or_none(samples(p, sampling) for p in prompts)
+
+    def image_features(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's GRPO asks the server for a VLM's image features: not served here."""
+        raise NotImplementedError(
+            "GatewayVLLMClient.image_features: image features are not served over the"
+            " gateway (send images with client.multimodal_processor: docs/IMAGES.md)"
+        )
 
     def reset_prefix_cache(self) -> None:
         self.client.reset_prefix_cache()
@@ -150,8 +168,10 @@ class GatewayVLLMClient:
     ) -> None:
         """Push the trainer's parameters (TRL's vLLM names) in one update, pausing
         generation meanwhile (requests in flight go on under the new weights); the version
-        is ``trl-update-K``."""
-        version = f"trl-update-{next(self._updates)}"
+        is ``trl-update-K``, K counting the pushes that succeeded (a failed one raises and
+        takes no version)."""
+        version = f"trl-update-{len(self.weight_versions) + 1}"
+        self._pushed = True
         send_weights(self.client, ((name, tensor.detach()) for name, tensor in named_params),
                      version=version)  # fmt: skip
         self.weight_versions.append(version)
@@ -166,7 +186,22 @@ class GatewayVLLMClient:
         """Nothing to tear down (see init_communicator)."""
 
     def close(self) -> None:
-        self.client.close()
+        """Release the gateway's weight-transfer state (its shared-memory arena and buffer
+        folder) if this client pushed weights, then end the session. Call it when training
+        is over (TRL itself never does: its process exit ends the session otherwise)."""
+        try:
+            if self._pushed:
+                with contextlib.suppress(ClientError):
+                    self.client.shutdown_weight_transfer_engine()
+                self._pushed = False
+        finally:
+            self.client.close()
+
+
+# vLLM fields TRL may pass in generation_kwargs that shape only the text, which this client
+# never makes (it answers ids): accepted and left out.
+_TEXT_ONLY_KWARGS = ("skip_special_tokens", "include_stop_str_in_output",
+                     "spaces_between_special_tokens", "detokenize")  # fmt: skip
 
 
 def _ranked(logprobs: Logprobs, top: int) -> list[list[tuple[int, float]]]:

@@ -12,42 +12,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from client.errors import ClientError
 from client.pool import GatewayPool
-from client.results import completions_of
-from codec import ModelInfo
+from client.text.stream import TextStream
+from codec import ModelInfo, RequestOptions, SamplingParams
 
-from .bodies import (
-    GenerateBody,
-    HttpError,
-    options_from,
-    parse_generate,
-    sampling_from,
-)
+from .access import Access, Caller, routing_key
+from .admitted import AdmittedStream
+from .bodies import MAX_REQUEST_ID_CHARS, HttpError, options_from, parse_generate, sampling_from
 from .completions import CompletionRoutes
 from .control import ControlRoutes
-from .replies import error_of, json_answer, json_object, package_version, sse
-from .responses import final_usage, generate_response, stream_chunk, usage
+from .fairness import CallerSlots
+from .generate import GenerateAnswer
+from .limits import MAX_BODY_BYTES, FaceLimits
+from .pieces import Piece, pieces_of
+from .replies import (
+    MAX_CONTROL_BODY_BYTES,
+    error_of,
+    json_answer,
+    json_object,
+    package_version,
+    read_body,
+)
+from .text import TextPrompts, text_params_from
 
-__all__ = ["HttpFace", "build_app"]
+__all__ = ["HttpFace", "build_app", "serving"]
 
 logger = logging.getLogger("engine_gateway.http")
 
-MAX_BODY_BYTES = 64 << 20  # a 2M-token prompt as JSON fits; anything larger gets 413
+MAX_ABORT_IDS = 4096  # request ids in one /abort_requests body
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class HttpFace(CompletionRoutes, ControlRoutes):
-    """The routes' state: the pool, the served model, the loaded adapters, live requests."""
+    """The routes' state: the pool, the served model, the loaded adapters, live requests,
+    and the callers' shares of the gateways' budget."""
 
     def __init__(
         self,
@@ -58,49 +65,65 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         api_key: str | None = None,
         open_data_routes: bool = False,
         tokenizer: Any = None,
+        limits: FaceLimits | None = None,
     ):
         self.pool = pool
         self.model = model
         self.model_name = served_model_name or model.name
-        self.api_key = api_key
-        self.open_data_routes = open_data_routes
-        self.tokenizer = tokenizer  # client.text's TextTokenizer: text on /v1/completions
+        self.access = Access(api_key, open_data_routes)
+        self.tokenizer = tokenizer  # client.text's TextTokenizer: text on the data routes
+        self.limits = limits or FaceLimits()
         self.created = int(time.time())
         self.loras: dict[str, str] = {}  # adapter name -> the path it was loaded from
-        # The face's request ids (as answered) -> the pool's ids, while live.
-        self.live: dict[str, set[str]] = {}
+        # Per caller, the request ids answered -> their streams, while live.
+        self.live: dict[tuple[str, str], set[AdmittedStream]] = {}
         self.fingerprint = f"engine-gateway-{package_version()}"
+        self.slots = CallerSlots(
+            self.limits.capacity(pool),
+            per_caller=self.limits.per_caller(pool),
+            queued_per_caller=self.limits.max_queued_per_caller,
+        )
+        self.text = TextPrompts(tokenizer, model.max_model_len) if tokenizer is not None else None
 
-    # ---- live requests, by the id answered (callers may reuse one: each keeps its own)
+    # ---- live requests, per caller, by the id answered (a reused id keeps each)
 
-    def track(self, answer_id: str, pool_id: str) -> None:
-        self.live.setdefault(answer_id, set()).add(pool_id)
+    def admit(
+        self,
+        caller: Caller,
+        answer_id: str,
+        stream: Any,
+        *,
+        samples: int,
+        prompt_tokens: int,
+    ) -> AdmittedStream:
+        """``stream`` (a pool request, not yet started) run in ``caller``'s share, and
+        tracked under ``answer_id`` for the caller's aborts."""
+        admitted = AdmittedStream(
+            stream, self.slots, caller.key, samples=samples, prompt_tokens=prompt_tokens
+        )
+        self.live.setdefault((caller.key, answer_id), set()).add(admitted)
+        return admitted
 
-    def untrack(self, answer_id: str, pool_id: str) -> None:
-        ids = self.live.get(answer_id)
-        if ids is not None:
-            ids.discard(pool_id)
-            if not ids:
-                del self.live[answer_id]
+    def untrack(self, caller: Caller, answer_id: str, admitted: AdmittedStream) -> None:
+        streams = self.live.get((caller.key, answer_id))
+        if streams is not None:
+            streams.discard(admitted)
+            if not streams:
+                del self.live[(caller.key, answer_id)]
 
     # ---- access
 
-    def _bearer_ok(self, request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {self.api_key}"
-        return hmac.compare_digest(given.encode(), expected.encode())
+    def check_data_access(self, request: web.Request) -> Caller:
+        return self.access.data(request)
 
-    def check_data_access(self, request: web.Request) -> None:
-        if self.api_key is not None and not self.open_data_routes and not self._bearer_ok(request):
-            raise HttpError(401, "Unauthorized: a bearer token is needed (--api-key)")
+    def check_control_access(self, request: web.Request) -> Caller:
+        return self.access.control(request)
 
-    def check_control_access(self, request: web.Request) -> None:
-        if self.api_key is None:
-            raise HttpError(
-                401, "control routes need the operator's token: start the face with --api-key"
-            )
-        if not self._bearer_ok(request):
-            raise HttpError(401, "Unauthorized: control routes need the operator's bearer token")
+    def check_request_rights(self, request: web.Request, body: Any) -> None:
+        """Request fields the gateway takes only from clients it allows control calls
+        (which the face is): the HTTP caller must be the operator."""
+        if body.kv_transfer_params is not None:
+            self.access.control(request, "kv_transfer_params (the KV blocks an engine loads)")
 
     # ---- generate
 
@@ -114,108 +137,107 @@ class HttpFace(CompletionRoutes, ControlRoutes):
             404, f"The model `{model}` does not exist.", kind="NotFoundError", param="model"
         )
 
+    def text_params(self, fields: dict[str, Any]) -> Any:
+        """The text-side fields of a body (stop strings, special tokens) as client.text's
+        TextParams, taken out of ``fields``; None without a tokenizer (sampling_from then
+        refuses what needs one)."""
+        if self.tokenizer is None:
+            return None
+        return text_params_from(fields)
+
+    def answer_id(self, request: web.Request, given: str | None, prefix: str) -> str:
+        """The id answered: the body's, else X-Request-Id's, else a random one."""
+        base = given or request.headers.get("X-Request-Id") or os.urandom(8).hex()
+        if len(base) > MAX_REQUEST_ID_CHARS:
+            raise HttpError(
+                400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id"
+            )
+        return f"{prefix}{base}"
+
+    def start(
+        self,
+        caller: Caller,
+        answer_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        options: RequestOptions | None,
+        *,
+        stream: bool,
+        text: Any = None,
+    ) -> tuple[AsyncIterator[Piece], AdmittedStream]:
+        """One prompt's request in ``caller``'s share, tracked under ``answer_id``: its
+        pieces (through client.text with ``text``, a TextParams) and the admitted stream
+        (to close). Nothing reaches a gateway before the pieces are iterated."""
+        admitting = _Admitting(self, caller, answer_id, sampling.n or 1, len(prompt))
+        if text is None:
+            outputs: Any = admitting.generate(prompt, sampling, stream=stream, options=options)
+        else:
+            outputs = TextStream(
+                admitting, self.tokenizer, prompt, sampling, text,
+                stream=stream, request_id=None, options=options,
+            )  # fmt: skip
+        assert admitting.admitted is not None
+        return pieces_of(outputs, text=text is not None), admitting.admitted
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        self.check_data_access(request)
-        body = parse_generate(await request.read())
+        caller = self.check_data_access(request)
+        limit = self.limits.body_bytes(self.model, 1)
+        raw = await read_body(request, limit, self.limits.read_timeout_s)
+        body = parse_generate(raw, text_output=self.tokenizer is not None)
+        self.check_request_rights(request, body)
         lora = self.lora_for(body.model)
-        sampling = sampling_from(body.sampling_params)
-        base = body.request_id or request.headers.get("X-Request-Id") or os.urandom(8).hex()
-        request_id = f"generate-tokens-{base}"
-        options = options_from(body, lora, request.headers.get("X-Session-ID"))
-        stream = self.pool.generate(
-            body.token_ids, sampling, stream=bool(body.stream), options=options
+        fields = dict(body.sampling_params)
+        text = self.text_params(fields) if body.output_mode == "text" else None
+        sampling = sampling_from(fields)
+        self.limits.check_samples(1, sampling.n or 1)
+        request_id = self.answer_id(request, body.request_id, "generate-tokens-")
+        options = options_from(body, lora, routing_key(caller, request))
+        pieces, admitted = self.start(
+            caller, request_id, body.token_ids, sampling, options,
+            stream=bool(body.stream), text=text,
+        )  # fmt: skip
+        answer = GenerateAnswer(
+            request_id, body, sampling.logprobs, self.tokenizer, text is not None
         )
-        self.track(request_id, stream.request_id)
         try:
             if body.stream:
-                return await self._stream(request, body, request_id, stream, sampling.logprobs)
-            return await self._whole(body, request_id, stream, sampling.logprobs)
-        finally:
-            self.untrack(request_id, stream.request_id)
-            await stream.aclose()  # an Abort when it is still live (the HTTP client left)
-
-    async def _whole(
-        self, body: GenerateBody, request_id: str, stream: Any, top: int | None
-    ) -> web.Response:
-        completions = await completions_of(stream)
-        return json_answer(
-            generate_response(
-                request_id,
-                body.model or self.model_name,
-                int(time.time()),
-                completions,
-                body.token_ids,
-                top_logprobs=top,
-                return_token_ids=bool(body.return_token_ids),
+                return await answer.streamed(request, pieces)
+            samples = await answer.collect(pieces)
+            return json_answer(
+                answer.whole(body.model or self.model_name, int(time.time()), samples)
             )
-        )
-
-    async def _stream(
-        self,
-        request: web.Request,
-        body: GenerateBody,
-        request_id: str,
-        stream: Any,
-        top: int | None,
-    ) -> web.StreamResponse:
-        outputs = aiter(stream)
-        first = await anext(outputs)  # a refused request answers with its error, not a stream
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        prompt_ids = body.token_ids if body.return_token_ids else None
-        generated: dict[int, int] = {}
-        prompt_tokens = len(body.token_ids)
-        out: Any = first
-        try:
-            while True:
-                generated[out.index] = generated.get(out.index, 0) + len(out.new_token_ids)
-                if out.finished is not None:
-                    prompt_tokens = out.finished.prompt_tokens
-                running = usage(prompt_tokens, generated[out.index]) if continuous else None
-                chunk = stream_chunk(
-                    request_id,
-                    out,
-                    top_logprobs=top,
-                    prompt_token_ids=prompt_ids,
-                    running_usage=running,
-                )
-                prompt_ids = None
-                await response.write(sse(chunk))
-                try:
-                    out = await anext(outputs)
-                except StopAsyncIteration:
-                    break
-            if include_usage:
-                final = final_usage(prompt_tokens, sum(generated.values()))
-                last = {"request_id": request_id, "usage": final, "output_mode": "tokens"}
-                last["choices"] = []
-                await response.write(sse(last))
-        except ClientError as exc:  # mid-stream: vLLM sends the error as a data line
-            await response.write(sse(error_of(exc).body()))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        finally:
+            self.untrack(caller, request_id, admitted)
+            await admitted.aclose()  # an Abort when it is still live (the HTTP client left)
 
     async def abort_requests(self, request: web.Request) -> web.Response:
-        """vLLM's ``/abort_requests``: the named requests (the ids answered; a data route),
-        or, with none named, every request of the face (a control route)."""
-        body = await json_object(request)
+        """vLLM's ``/abort_requests``: the named requests of this caller (the ids answered;
+        a data route), or, with none named (or no body), every request of the face (a
+        control route). ``aborted`` counts the requests the gateways confirmed aborted."""
+        caller = self.check_data_access(request)
+        body = await json_object(request, allow_empty=True, limit=MAX_CONTROL_BODY_BYTES)
         named = body.get("request_ids")
         if named is not None and not (
-            isinstance(named, list) and all(isinstance(i, str) for i in named)
+            isinstance(named, list)
+            and len(named) <= MAX_ABORT_IDS
+            and all(isinstance(i, str) for i in named)
         ):
-            raise HttpError(400, "request_ids must be a list of strings", param="request_ids")
+            raise HttpError(
+                400,
+                f"request_ids must be a list of at most {MAX_ABORT_IDS} strings",
+                param="request_ids",
+            )
         if named:
-            self.check_data_access(request)
-            ids = [pool_id for i in named for pool_id in self.live.get(i, ())]
+            streams = [s for i in named for s in self.live.get((caller.key, i), ())]
         else:
             self.check_control_access(request)
-            ids = [pool_id for ids in self.live.values() for pool_id in ids]
-        if ids:
-            await self.pool.abort(ids)
-        return json_answer({"status": "aborted", "aborted": len(ids)})
+            streams = [s for ss in self.live.values() for s in ss]
+        aborted = sum(stream.abort_waiting() for stream in streams)
+        started = [s.stream.request_id for s in streams if s.started]
+        if started:
+            acks = await self.pool.abort(started)
+            aborted += sum(len(ack.aborted) for ack in acks)
+        return json_answer({"status": "aborted", "aborted": aborted})
 
     # ---- models, health
 
@@ -313,6 +335,23 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         )
 
 
+class _Admitting:
+    """The pool as client.text's TextStream sees it: the one request it starts runs in the
+    caller's share (HttpFace.admit)."""
+
+    def __init__(self, face: HttpFace, caller: Caller, answer_id: str, samples: int, prompt: int):
+        self.face, self.caller, self.answer_id = face, caller, answer_id
+        self.samples, self.prompt_tokens = samples, prompt
+        self.admitted: AdmittedStream | None = None
+
+    def generate(self, prompt: list[int], sampling: SamplingParams, **kwargs: Any) -> Any:
+        self.admitted = self.face.admit(
+            self.caller, self.answer_id, self.face.pool.generate(prompt, sampling, **kwargs),
+            samples=self.samples, prompt_tokens=self.prompt_tokens,
+        )  # fmt: skip
+        return self.admitted
+
+
 _REFUSED = {
     "/v1/chat/completions": ": chat templates are the client's (client.text's Conversation)",
     "/skyrl/v1/generate": ": routed experts are not served by the gateway",
@@ -331,7 +370,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             too_large = HttpError(413, f"request body over {MAX_BODY_BYTES} bytes")
             return json_answer(too_large.body(), 413)
         if exc.status in (404, 405):
-            unknown = HttpError(exc.status, exc.reason, kind="NotFoundError")
+            kind = "NotFoundError" if exc.status == 404 else "MethodNotAllowedError"
+            unknown = HttpError(exc.status, exc.reason, kind=kind)
             return json_answer(unknown.body(), exc.status)
         raise
     except (HttpError, ClientError, TimeoutError) as exc:
@@ -392,7 +432,15 @@ def build_app(face: HttpFace) -> web.Application:
 @contextlib.asynccontextmanager
 async def serving(face: HttpFace, host: str, port: int) -> Any:
     """Serve ``face`` on ``host:port`` until the block ends; yields the bound port."""
-    runner = web.AppRunner(build_app(face), handler_cancellation=True, access_log=None)
+    # keepalive_timeout also closes a connection whose request head has not arrived in time
+    # (aiohttp closes a connection idle in reading a request when it fires); a body is
+    # bounded by read_body.
+    runner = web.AppRunner(
+        build_app(face),
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=face.limits.read_timeout_s,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -401,3 +449,5 @@ async def serving(face: HttpFace, host: str, port: int) -> Any:
         yield bound
     finally:
         await runner.cleanup()
+        if face.text is not None:
+            face.text.close()

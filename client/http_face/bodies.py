@@ -44,6 +44,9 @@ class HttpError(Exception):
 _KINDS = {
     400: "BadRequestError",
     401: "Unauthorized",
+    403: "Forbidden",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeout",
     404: "NotFoundError",
     413: "BadRequestError",
     429: "RateLimitError",
@@ -109,6 +112,21 @@ _UNSERVED_SAMPLING: dict[str, tuple[Any, str]] = {
 }
 
 
+def decode_json(raw: bytes) -> Any:
+    """``msgspec.json.decode`` with vLLM's 400 for what is not JSON, or is nested too deep
+    to read."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, f"JSON decode error: {exc}", kind="Bad Request") from None
+    except RecursionError:
+        raise _too_deep() from None
+
+
+def _too_deep() -> HttpError:
+    return HttpError(400, "JSON decode error: nested too deeply", kind="Bad Request")
+
+
 def _decode_error(exc: msgspec.MsgspecError) -> HttpError:
     message = str(exc)
     param = None
@@ -119,12 +137,15 @@ def _decode_error(exc: msgspec.MsgspecError) -> HttpError:
     return HttpError(400, message, kind="Bad Request", param=param)
 
 
-def parse_generate(raw: bytes) -> GenerateBody:
-    """The body of ``/inference/v1/generate``, or an HttpError as vLLM answers it."""
+def parse_generate(raw: bytes, *, text_output: bool = False) -> GenerateBody:
+    """The body of ``/inference/v1/generate``, or an HttpError as vLLM answers it;
+    ``text_output``: the face has a tokenizer (``output_mode: "text"`` is served)."""
     try:
         body = msgspec.json.decode(raw, type=GenerateBody)
     except msgspec.MsgspecError as exc:
         raise _decode_error(exc) from None
+    except RecursionError:
+        raise _too_deep() from None
     if not body.token_ids:
         raise HttpError(
             400, "token_ids must have at least 1 item", kind="Bad Request", param="body.token_ids"
@@ -140,16 +161,30 @@ def parse_generate(raw: bytes) -> GenerateBody:
         if getattr(body, name) is not None:
             raise HttpError(400, f"{name}: {what}; not served by engine-gateway", param=name)
     if body.request_id is not None and len(body.request_id) > MAX_REQUEST_ID_CHARS:
-        raise HttpError(400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters")
+        raise HttpError(
+            400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id"
+        )
     if body.output_mode not in ("tokens", "text"):
-        raise HttpError(400, f"output_mode must be 'tokens' or 'text', got {body.output_mode!r}")
-    if body.output_mode == "text":
         raise HttpError(
             400,
-            "output_mode='text' requires a tokenizer, but this server does not load one."
-            " Use output_mode='tokens' (detokenize on the client: client.text).",
+            f"output_mode must be 'tokens' or 'text', got {body.output_mode!r}",
             param="output_mode",
         )
+    if body.output_mode == "text":
+        if not text_output:
+            raise HttpError(
+                400,
+                "output_mode='text' requires a tokenizer, but this server does not load one."
+                " Use output_mode='tokens' (detokenize on the client: client.text), or start"
+                " the face with --tokenizer.",
+                param="output_mode",
+            )
+        if body.sampling_params.get("detokenize") is False:
+            raise HttpError(
+                400,
+                "output_mode='text' requires detokenize=True in sampling_params",
+                param="output_mode",
+            )
     return body
 
 
@@ -255,15 +290,12 @@ _UNSERVED_COMPLETION_FIELDS = {
 
 
 def parse_completion(
-    raw: bytes, *, text_prompts: bool = False
+    raw: bytes, *, text_prompts: bool = False, max_prompts: int | None = None
 ) -> tuple[CompletionBody, list[Any], dict[str, Any]]:
     """The body of ``/v1/completions``: (body, prompts, the rest of its fields). Prompts are
-    token-id lists, and with ``text_prompts`` (a tokenizer) also strings; HttpError for
-    what the face cannot serve."""
-    try:
-        fields = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise HttpError(400, f"JSON decode error: {exc}", kind="Bad Request") from None
+    token-id lists, and with ``text_prompts`` (a tokenizer) also strings, at most
+    ``max_prompts`` of them; HttpError for what the face cannot serve."""
+    fields = decode_json(raw)
     if not isinstance(fields, dict):
         raise HttpError(400, "Request body must be a JSON object", kind="Bad Request")
     try:
@@ -276,21 +308,32 @@ def parse_completion(
     if body.echo or body.use_beam_search:
         name = "echo" if body.echo else "use_beam_search"
         raise HttpError(400, f"{name} is not served by engine-gateway", param=name)
-    prompts = _prompts(body.prompt, text_prompts)
+    if body.request_id is not None and len(body.request_id) > MAX_REQUEST_ID_CHARS:
+        raise HttpError(
+            400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id"
+        )
+    prompts = _prompts(body.prompt, text_prompts, max_prompts)
     sampling = {k: v for k, v in fields.items() if k not in _COMPLETION_REQUEST_FIELDS}
     sampling.setdefault("max_tokens", 16)  # the completions API's default, as vLLM's
     return body, prompts, sampling
 
 
-def _prompts(prompt: Any, text_prompts: bool) -> list[Any]:
+def _prompts(prompt: Any, text_prompts: bool, max_prompts: int | None = None) -> list[Any]:
     """A completions prompt as a list of prompts: token-id lists (and strings when
-    ``text_prompts``)."""
+    ``text_prompts``), at most ``max_prompts``."""
     single = isinstance(prompt, str) or (
         isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
     )
     prompts = [prompt] if single else prompt
     if not isinstance(prompts, list) or not prompts:
         raise HttpError(400, "Prompt cannot be empty", param="prompt")
+    if max_prompts is not None and len(prompts) > max_prompts:
+        raise HttpError(
+            400,
+            f"{len(prompts)} prompts in one request; this face takes at most {max_prompts}"
+            " (--max-prompts-per-request)",
+            param="prompt",
+        )
     checked: list[Any] = []
     for one in prompts:
         if isinstance(one, str):

@@ -57,6 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--connect-timeout", type=float, default=60.0, help="seconds to wait for a gateway"
     )
+    limits = parser.add_argument_group("per-request and per-caller bounds")
+    limits.add_argument(
+        "--max-prompts-per-request", type=int, default=1024, metavar="N",
+        help="prompts in one /v1/completions body",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-samples-per-request", type=int, default=4096, metavar="N",
+        help="samples (prompts x n) in one request",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-in-flight-per-caller", type=int, default=0, metavar="N",
+        help="requests one caller (a bearer token, or an address) has at the gateways at once;"
+        " more wait their turn (0: half the gateways' --max-in-flight-per-client, summed)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-queued-per-caller", type=int, default=4096, metavar="N",
+        help="requests of one caller waiting for their turn; more are refused with 429",
+    )  # fmt: skip
+    limits.add_argument(
+        "--request-read-timeout", type=float, default=60.0, metavar="S",
+        help="seconds a request's head and body may take to arrive (and an idle"
+        " keep-alive connection stays open)",
+    )  # fmt: skip
     return parser
 
 
@@ -64,6 +87,7 @@ async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes
     from client.pool import GatewayPool
 
     from .app import HttpFace, serving
+    from .limits import FaceLimits
 
     logger = logging.getLogger("engine_gateway.http")
     tokenizer = None
@@ -86,6 +110,13 @@ async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes
             api_key=args.api_key,
             open_data_routes=args.open_data_routes,
             tokenizer=tokenizer,
+            limits=FaceLimits(
+                max_prompts=args.max_prompts_per_request,
+                max_samples=args.max_samples_per_request,
+                max_in_flight_per_caller=args.max_in_flight_per_caller,
+                max_queued_per_caller=args.max_queued_per_caller,
+                read_timeout_s=args.request_read_timeout,
+            ),
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -111,6 +142,13 @@ def http_main(argv: list[str]) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         parser.error("needs aiohttp: pip install 'engine-gateway[http]'")
+    for name in ("max_prompts_per_request", "max_samples_per_request"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_in_flight_per_caller < 0 or args.max_queued_per_caller < 0:
+        parser.error("--max-in-flight-per-caller and --max-queued-per-caller must not be negative")
+    if not args.request_read_timeout > 0:
+        parser.error("--request-read-timeout must be positive")
     if bool(args.server_key) != bool(args.client_key):
         parser.error("--server-key and --client-key go together (a CURVE gateway needs both)")
     curve_keys = None

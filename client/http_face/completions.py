@@ -7,90 +7,65 @@ through ``client.text``. Logprob tokens are ``token_id:N`` without a tokenizer (
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from codec import FinishReason, Logprobs, SamplingParams
+from client.tasks import all_or_none
+from codec import Logprobs
 
-from .bodies import HttpError, options_from, parse_completion, sampling_from
-from .replies import Ended, error_of, json_answer, sse
+from .access import routing_key
+from .bodies import options_from, parse_completion, sampling_from
+from .pieces import fold
+from .replies import Ended, error_of, json_answer, read_body, sse
 from .responses import completion_choice, completion_logprobs, final_usage, usage
-
-
-@dataclass(slots=True)
-class Piece:
-    """What one output adds to one sample (of one prompt)."""
-
-    index: int
-    token_ids: list[int]
-    text: str = ""
-    logprobs: Logprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | list[int] | str | None = None
-    prompt_tokens: int | None = None  # on a sample's last piece, when the gateway said
-
-
-@dataclass(slots=True)
-class Sample:
-    """A whole sample, folded from its pieces (a non-streamed answer)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: Logprobs | None = None
-    end: Ended | None = None
-
-
-# vLLM's text-side fields, applied by client.text when the face has a tokenizer.
-_TEXT_FIELDS = (
-    "stop",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-)
+from .text import TextPrompts
 
 
 class CompletionRoutes:
     """The completions route of HttpFace (a mixin: it reads the face's pool and state)."""
 
     pool: Any
+    model: Any
     model_name: str
     fingerprint: str
     tokenizer: Any
-
-    def check_data_access(self, request: web.Request) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def lora_for(self, model: str | None) -> str | None:  # pragma: no cover
-        raise NotImplementedError
-
-    def track(self, answer_id: str, pool_id: str) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def untrack(self, answer_id: str, pool_id: str) -> None:  # pragma: no cover
-        raise NotImplementedError
+    text: TextPrompts | None
+    limits: Any
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self.check_data_access(request)
+        caller = self.check_data_access(request)  # type: ignore[attr-defined]
+        chars = self.text.max_chars if self.text is not None else 0
+        limit = self.limits.body_bytes(self.model, self.limits.max_prompts, chars)
         body, prompts, fields = parse_completion(
-            await request.read(), text_prompts=self.tokenizer is not None
+            await read_body(request, limit, self.limits.read_timeout_s),
+            text_prompts=self.tokenizer is not None,
+            max_prompts=self.limits.max_prompts,
         )
-        lora = self.lora_for(body.model)
-        text = self._text_params(fields)
+        self.check_request_rights(request, body)  # type: ignore[attr-defined]
+        lora = self.lora_for(body.model)  # type: ignore[attr-defined]
+        text = self.text_params(fields)  # type: ignore[attr-defined]
         sampling = sampling_from(fields)
-        if self.tokenizer is not None:
+        n = sampling.n or 1
+        self.limits.check_samples(len(prompts), n)
+        answer_id = self.answer_id(request, body.request_id, "cmpl-")  # type: ignore[attr-defined]
+        if self.text is not None:
             add_special = fields.get("add_special_tokens", True) is not False
-            prompts = [self._ids(p, add_special) for p in prompts]
-        base = body.request_id or request.headers.get("X-Request-Id") or os.urandom(8).hex()
-        answer_id = f"cmpl-{base}"
-        options = options_from(body, lora, request.headers.get("X-Session-ID"))
-        streams = [self._generate(p, sampling, text, bool(body.stream), options) for p in prompts]
-        for stream in streams:
-            self.track(answer_id, stream.request_id)
+            for prompt in prompts:  # every text refused by its length before any is encoded
+                if isinstance(prompt, str):
+                    self.text.check(prompt)
+            prompts = [
+                p if isinstance(p, list) else await self.text.encode(p, add_special)
+                for p in prompts
+            ]
+        options = options_from(body, lora, routing_key(caller, request))
+        started = [
+            self.start(  # type: ignore[attr-defined]
+                caller, answer_id, p, sampling, options, stream=bool(body.stream), text=text
+            )
+            for p in prompts
+        ]
         head = {
             "id": answer_id,
             "object": "text_completion",
@@ -98,97 +73,16 @@ class CompletionRoutes:
             "model": body.model or self.model_name,
         }
         as_ids = self.tokenizer is None or bool(body.return_tokens_as_token_ids)
-        answer = _Answer(head, prompts, sampling.n or 1, body, self.tokenizer, as_ids)
+        answer = _Answer(head, prompts, n, body, self.tokenizer, as_ids)
+        pieces = [p for p, _ in started]
         try:
             if body.stream:
-                return await answer.streamed(request, streams)
-            return await answer.whole(streams, self.fingerprint)
+                return await answer.streamed(request, pieces)
+            return await answer.whole(pieces, self.fingerprint)
         finally:
-            for stream in streams:
-                self.untrack(answer_id, stream.request_id)
-                await stream.aclose()
-
-    def _text_params(self, fields: dict[str, Any]) -> Any:
-        """The text-side fields (stop strings, special tokens) as client.text's TextParams,
-        taken out of ``fields``; None without a tokenizer (sampling_from refuses them)."""
-        if self.tokenizer is None:
-            return None
-        from client.text import TextError, TextParams
-
-        given = {k: fields.pop(k) for k in _TEXT_FIELDS if k in fields}
-        stop = given.get("stop") or None
-        try:
-            return TextParams(
-                stop=stop,
-                include_stop_str_in_output=bool(given.get("include_stop_str_in_output", False)),
-                skip_special_tokens=given.get("skip_special_tokens", True) is not False,
-                spaces_between_special_tokens=given.get("spaces_between_special_tokens", True)
-                is not False,
-            )
-        except TextError as exc:
-            raise HttpError(400, str(exc), param="stop") from None
-
-    def _ids(self, prompt: list[int] | str, add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        ids = self.tokenizer.hf.encode(prompt, add_special_tokens=add_special_tokens)
-        if not ids:
-            raise HttpError(400, "Prompt cannot be empty", param="prompt")
-        return ids
-
-    def _generate(
-        self, prompt: list[int], sampling: SamplingParams, text: Any, stream: bool, options: Any
-    ) -> Any:
-        """The sample pieces of one prompt: through client.text with a tokenizer (text,
-        stop strings), else the pool's outputs as they are."""
-        if self.tokenizer is None:
-            return _TokenPieces(
-                self.pool.generate(prompt, sampling, stream=stream, options=options)
-            )
-        from client.text import AsyncTextClient
-
-        texts = AsyncTextClient(self.pool, self.tokenizer)
-        return _TextPieces(texts.generate(prompt, sampling, text, stream=stream, options=options))
-
-
-class _TokenPieces:
-    """A pool's request as Pieces."""
-
-    def __init__(self, stream: Any):
-        self.stream = stream
-        self.request_id = stream.request_id
-
-    async def __aiter__(self) -> AsyncIterator[Piece]:
-        async for out in self.stream:
-            fin = out.finished
-            yield Piece(
-                out.index,
-                out.new_token_ids,
-                logprobs=out.logprobs,
-                finish_reason=fin.finish_reason if fin else None,
-                stop_reason=fin.stop_reason if fin else None,
-                prompt_tokens=fin.prompt_tokens if fin else None,
-            )
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-class _TextPieces(_TokenPieces):
-    """A client.text request as Pieces (text with the stop strings applied)."""
-
-    async def __aiter__(self) -> AsyncIterator[Piece]:
-        async for out in self.stream:
-            fin = out.finished
-            yield Piece(
-                out.index,
-                out.token_ids,
-                out.text,
-                out.logprobs,
-                out.finish_reason,
-                out.stop_reason,
-                fin.prompt_tokens if fin else None,
-            )
+            for _, admitted in started:
+                self.untrack(caller, answer_id, admitted)  # type: ignore[attr-defined]
+                await admitted.aclose()
 
 
 class _Answer:
@@ -215,25 +109,12 @@ class _Answer:
         return completion_logprobs(rows, self.body.logprobs, decode)
 
     async def whole(self, streams: list[Any], fingerprint: str) -> web.Response:
-        async def collect(stream: Any) -> tuple[dict[int, Sample], int | None]:
-            samples: dict[int, Sample] = {}
-            prompt_tokens = None
-            async for piece in stream:
-                sample = samples.setdefault(piece.index, Sample())
-                sample.token_ids += piece.token_ids
-                sample.text += piece.text
-                sample.logprobs = Logprobs.concat(sample.logprobs, piece.logprobs)
-                if piece.finish_reason is not None:
-                    sample.end = Ended(piece.finish_reason, piece.stop_reason)
-                    prompt_tokens = piece.prompt_tokens or prompt_tokens
-            return samples, prompt_tokens
-
-        results = await asyncio.gather(*(collect(s) for s in streams))
+        # One prompt refused: the others are cancelled (their requests aborted), none left.
+        results = await all_or_none(fold(s) for s in streams)
         choices, prompt_total, generated = [], 0, 0
-        for p, (prompt, (samples, prompt_tokens)) in enumerate(
-            zip(self.prompts, results, strict=True)
-        ):
-            prompt_total += prompt_tokens or len(prompt)
+        for p, (prompt, samples) in enumerate(zip(self.prompts, results, strict=True)):
+            told = [s.finished.prompt_tokens for s in samples.values() if s.finished]
+            prompt_total += told[0] if told else len(prompt)
             for index in sorted(samples):
                 sample = samples[index]
                 choice = completion_choice(
@@ -285,6 +166,7 @@ class _Answer:
         finally:
             for task in pumps:
                 task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
     async def _chunks(self, response: Any, queue: asyncio.Queue, item: tuple[int, Any]) -> None:
         prompt_sent: set[int] = set()  # choices whose first chunk went (it names the prompt)

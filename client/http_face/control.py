@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from .bodies import HttpError
-from .replies import json_answer, json_object, query_bool, query_int
+from .replies import error_of, json_answer, json_object, query_bool, query_int
 
 
 class ControlRoutes:
@@ -24,12 +24,39 @@ class ControlRoutes:
     def check_control_access(self, request: web.Request) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    async def on_every_gateway(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
-        """``call(client)`` on every gateway with a session (control: each has its engines)."""
+    async def on_every_gateway(
+        self,
+        call: Callable[[Any], Awaitable[Any]],
+        *,
+        undo: Callable[[Any], Awaitable[Any]] | None = None,
+    ) -> list[Any]:
+        """``call(client)`` on every gateway with a session (control: each has its
+        engines), all carried to their end. When some fail, the answer names each of them
+        and why (with the first failure's status); ``undo(client)`` is then called on the
+        gateways where ``call`` succeeded, so the pool is left as it was."""
         clients = [c for c in self.pool.clients if c.connected]
         if not clients:
             raise HttpError(503, "no gateway session")
-        return list(await asyncio.gather(*(call(c) for c in clients)))
+        results = await asyncio.gather(*(call(c) for c in clients), return_exceptions=True)
+        failed = [
+            (c, r) for c, r in zip(clients, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if not failed:
+            return list(results)
+        done = [
+            c for c, r in zip(clients, results, strict=True) if not isinstance(r, BaseException)
+        ]
+        if undo is not None and done:
+            await asyncio.gather(*(undo(c) for c in done), return_exceptions=True)
+        first = error_of(failed[0][1])
+        why = "; ".join(f"{c.address}: {error_of(r).message}" for c, r in failed)
+        undone = f" (undone on the {len(done)} that succeeded)" if undo and done else ""
+        raise HttpError(
+            first.status,
+            f"failed on {len(failed)} of {len(clients)} gateways{undone}: {why}",
+            kind=first.kind,
+            param=first.param,
+        )
 
     async def pause(self, request: web.Request) -> web.Response:
         self.check_control_access(request)
@@ -138,7 +165,10 @@ class ControlRoutes:
                 )
             await self.on_every_gateway(lambda c: c.unload_lora(name))
             del self.loras[name]
-        await self.on_every_gateway(lambda c: c.load_lora(name, path))
+        # A gateway that refuses it: the others unload it again, so a retry can load it.
+        await self.on_every_gateway(
+            lambda c: c.load_lora(name, path), undo=lambda c: c.unload_lora(name)
+        )
         self.loras[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 

@@ -9,10 +9,11 @@ from typing import Any, NamedTuple
 import msgspec
 from aiohttp import web
 
+from client._compat import timeout
 from client.errors import GatewayUnavailable, RequestFailed, RequestOverloaded
 from codec import ErrorCode, FinishReason
 
-from .bodies import HttpError
+from .bodies import HttpError, decode_json
 
 ENCODE = msgspec.json.Encoder()
 _PARAMETER = re.compile(r"\(parameter=(\w+)")
@@ -60,8 +61,13 @@ def error_of(exc: BaseException) -> HttpError:
     if isinstance(exc, RequestFailed):
         status = _STATUS_OF_CODE.get(exc.code, 500)
         message = exc.message
-        if exc.code == ErrorCode.UNAUTHORIZED:
-            message += " (the gateway must allow this face's key: --control-key)"
+        if exc.code == ErrorCode.UNAUTHORIZED:  # the caller may; the gateway refuses the face
+            status = 403
+            message += (
+                " (the gateway does not allow this face control calls: start the gateway"
+                " with --control-key naming the face's --client-key, or, on loopback"
+                " without CURVE, --control-open)"
+            )
         named = _PARAMETER.search(message)  # vLLM's validation names the field so
         return HttpError(status, message, param=named.group(1) if named else None)
     if isinstance(exc, GatewayUnavailable):
@@ -71,16 +77,43 @@ def error_of(exc: BaseException) -> HttpError:
     return HttpError(500, f"{type(exc).__name__}: {exc}")
 
 
-async def json_object(request: web.Request, *, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw and allow_empty:
-        return {}
+MAX_CONTROL_BODY_BYTES = 1 << 20  # a control route's body: names, paths, a few fields
+READ_TIMEOUT_S = 60.0
+
+
+async def read_body(request: web.Request, limit: int, timeout_s: float = READ_TIMEOUT_S) -> bytes:
+    """The request's body, refused with 413 before it is read when it says it is over
+    ``limit`` bytes (or as soon as it grows past it), and with 408 when it takes longer
+    than ``timeout_s`` to arrive (a half-sent request holds nothing for ever)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise HttpError(413, f"request body of {declared} bytes; this route takes at most {limit}")
+    chunks: list[bytes] = []
+    size = 0
     try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise HttpError(400, f"JSON decode error: {exc}") from None
+        async with timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, f"request body over {limit} bytes, this route's limit")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise HttpError(
+            408, f"the request body did not arrive within {timeout_s:g} s", kind="RequestTimeout"
+        ) from None
+    return b"".join(chunks)
+
+
+async def json_object(
+    request: web.Request, *, allow_empty: bool = False, limit: int = MAX_CONTROL_BODY_BYTES
+) -> dict[str, Any]:
+    """A control route's JSON object body (``allow_empty``: no body reads as ``{}``)."""
+    raw = await read_body(request, limit)
+    if not raw.strip() and allow_empty:
+        return {}
+    body = decode_json(raw)
     if not isinstance(body, dict):
-        raise HttpError(400, "Request body must be a JSON object")
+        raise HttpError(400, "Request body must be a JSON object", kind="Bad Request")
     return body
 
 

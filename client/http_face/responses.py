@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from client.results import Completion
-from codec import FinishReason, Logprobs, RequestOutput, WeightVersionSpan
+from codec import FinishReason, Logprobs, WeightVersionSpan
 
 __all__ = [
     "finish_reason_name",
+    "generate_choice",
+    "generate_body",
     "generate_response",
-    "stream_chunk",
+    "text_logprobs_content",
     "usage",
     "final_usage",
     "candidate_rows",
@@ -114,6 +116,73 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
+def generate_choice(
+    index: int,
+    token_ids: list[int],
+    end: Any,
+    weight_versions: list[WeightVersionSpan] | None,
+    rows: Logprobs | None,
+    top: int | None,
+    *,
+    text: str | None = None,
+    decode: Callable[[int], str] | None = None,
+) -> dict[str, Any]:
+    """One choice of ``/inference/v1/generate`` (``end``: how the sample ended, or None in
+    a stream's chunk before its end): ``GenerateTokensChoice``, or with ``text`` (the
+    ``text`` output mode) ``GenerateTextChoice`` with the logprobs in the chat shape
+    (tokens by ``decode``)."""
+    logprobs = None
+    if top is not None:
+        rows = rows or Logprobs([], [], [])
+        if text is None:
+            logprobs = {"content": logprobs_content(rows, top)}
+        else:
+            logprobs = {"content": text_logprobs_content(rows, top, decode or _placeholder)}
+    choice: dict[str, Any] = {
+        "index": index,
+        "finish_reason": finish_reason_name(end.finish_reason) if end else None,
+        "stop_reason": _stop_reason(end.stop_reason) if end else None,
+        "token_ids": token_ids,
+        "routed_experts": None,
+        "sampling_mask": None,
+        "weight_versions": weight_spans(weight_versions),
+        "logprobs": logprobs,
+    }
+    if text is not None:
+        choice["text"] = text
+    return choice
+
+
+def generate_body(
+    request_id: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    prompt_tokens: int,
+    *,
+    prompt_token_ids: list[int] | None,
+    kv_transfer_params: dict[str, Any] | None,
+    text: bool = False,
+) -> dict[str, Any]:
+    """A whole ``GenerateTokensResponse`` (``GenerateTextResponse`` with ``text``)."""
+    generated = sum(len(c["token_ids"]) for c in choices)
+    return {
+        "request_id": request_id,
+        "model": model,
+        "created": created,
+        "usage": usage(prompt_tokens, generated),
+        "prompt_logprobs": None,
+        "prompt_token_id_logprobs": None,
+        "prompt_token_ids": prompt_token_ids,
+        "mm_placeholders": None,
+        "metrics": None,
+        "kv_transfer_params": kv_transfer_params,
+        "ec_transfer_params": None,
+        "output_mode": "text" if text else "tokens",
+        "choices": choices,
+    }
+
+
 def generate_response(
     request_id: str,
     model: str,
@@ -124,45 +193,54 @@ def generate_response(
     top_logprobs: int | None,
     return_token_ids: bool,
 ) -> dict[str, Any]:
-    """A whole ``GenerateTokensResponse``: one choice per sample, by index."""
-    choices = []
-    generated = 0
-    for c in completions:
-        logprobs = None
-        if top_logprobs is not None:
-            rows = c.logprobs or Logprobs([], [], [])
-            logprobs = {"content": logprobs_content(rows, top_logprobs)}
-        choices.append(
-            {
-                "index": c.index,
-                "finish_reason": finish_reason_name(c.finish_reason),
-                "stop_reason": _stop_reason(c.stop_reason),
-                "token_ids": c.token_ids,
-                "routed_experts": None,
-                "sampling_mask": None,
-                "weight_versions": weight_spans(c.weight_versions),
-                "logprobs": logprobs,
-            }
-        )
-        generated += len(c.token_ids)
-    prompt = completions[0].prompt_tokens if completions else len(prompt_token_ids)
-    return {
-        "request_id": request_id,
-        "model": model,
-        "created": created,
-        "usage": usage(prompt, generated),
-        "prompt_logprobs": None,
-        "prompt_token_id_logprobs": None,
-        "prompt_token_ids": prompt_token_ids if return_token_ids else None,
-        "mm_placeholders": None,
-        "metrics": None,
-        "kv_transfer_params": next(
+    """A whole ``GenerateTokensResponse`` of a request's Completions: a choice per sample."""
+    choices = [
+        generate_choice(c.index, c.token_ids, c, c.weight_versions, c.logprobs, top_logprobs)
+        for c in completions
+    ]
+    return generate_body(
+        request_id,
+        model,
+        created,
+        choices,
+        completions[0].prompt_tokens if completions else len(prompt_token_ids),
+        prompt_token_ids=prompt_token_ids if return_token_ids else None,
+        kv_transfer_params=next(
             (c.kv_transfer_params for c in completions if c.kv_transfer_params), None
         ),
-        "ec_transfer_params": None,
-        "output_mode": "tokens",
-        "choices": choices,
-    }
+    )
+
+
+def _placeholder(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def text_logprobs_content(
+    logprobs: Logprobs, top: int, decode: Callable[[int], str]
+) -> list[dict[str, Any]]:
+    """The ``text`` output mode's logprobs (OpenAI's chat shape, as vLLM builds them): per
+    token its text, logprob and UTF-8 bytes, and its candidates in the engine's order cut
+    to ``max(top, 1)`` (-1: every one)."""
+    keep = None if top == -1 else max(top, 1)
+    content = []
+    for sampled, candidates in candidate_rows(logprobs):
+        token = decode(sampled)
+        content.append(
+            {
+                "token": token,
+                "logprob": _clamp(candidates[sampled][0]),
+                "bytes": list(token.encode("utf-8", errors="replace")),
+                "top_logprobs": [
+                    {
+                        "token": (text := decode(t)),
+                        "logprob": _clamp(lp),
+                        "bytes": list(text.encode("utf-8", errors="replace")),
+                    }
+                    for t, (lp, _) in list(candidates.items())[:keep]
+                ],
+            }
+        )
+    return content
 
 
 def _stop_reason(reason: int | list[int] | str | None) -> int | str | None:
@@ -171,40 +249,6 @@ def _stop_reason(reason: int | list[int] | str | None) -> int | str | None:
     if isinstance(reason, list):
         return reason[-1] if reason else None
     return reason
-
-
-def stream_chunk(
-    request_id: str,
-    out: RequestOutput,
-    *,
-    top_logprobs: int | None,
-    prompt_token_ids: list[int] | None,
-    running_usage: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """One SSE chunk of ``GenerateTokensStreamResponse``, for one sample's output."""
-    fin = out.finished
-    logprobs = None
-    if top_logprobs is not None:
-        rows = out.logprobs or Logprobs([], [], [])
-        logprobs = {"content": logprobs_content(rows, top_logprobs)}
-    chunk: dict[str, Any] = {"request_id": request_id, "usage": running_usage}
-    if prompt_token_ids is not None:
-        chunk["prompt_token_ids"] = prompt_token_ids
-        chunk["mm_placeholders"] = None
-    chunk["output_mode"] = "tokens"
-    chunk["choices"] = [
-        {
-            "index": out.index,
-            "finish_reason": finish_reason_name(fin.finish_reason) if fin else None,
-            "stop_reason": _stop_reason(fin.stop_reason) if fin else None,
-            "token_ids": out.new_token_ids,
-            "routed_experts": None,
-            "sampling_mask": None,
-            "weight_versions": weight_spans(fin.weight_versions) if fin else None,
-            "logprobs": logprobs,
-        }
-    ]
-    return chunk
 
 
 def completion_logprobs(

@@ -42,6 +42,24 @@ class RecordingGateway:
         self.loras.remove(name)
         self.calls.append(["unload_lora", name])
 
+    async def complete_samples(self, ids: list[int], sampling: Any, *, options: Any) -> list:
+        """A prompt [666] is refused at once; the others run until cancelled (recorded:
+        a cancelled call's request is aborted by its stream's close)."""
+        self.calls.append(["generate", ids, sampling.n])
+        if ids == [666]:
+            raise ValueError("refused: id 666")
+        if ids == [7]:
+            from client.results import Completion
+            from codec import FinishReason
+
+            return [Completion("r", 0, [8, 9], FinishReason.LENGTH, None, 1, 2, 0)]
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.calls.append(["cancelled", ids])
+            raise
+        return []
+
 
 async def run() -> dict:
     from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import PauseMode
@@ -82,6 +100,18 @@ async def run() -> dict:
     except NotImplementedError as exc:
         refusals.append([type(exc).__name__, str(exc)])
     out["refusals"] = refusals
+    gateway = RecordingGateway()
+    engine = GatewayInferenceEngine(gateway, "m")
+    done = await engine.generate({"prompt_token_ids": [[7]], "sampling_params": {"n": None}})
+    out["n_null"] = [done["response_ids"], gateway.calls]
+    gateway = RecordingGateway()
+    engine = GatewayInferenceEngine(gateway, "m")
+    try:
+        await asyncio.wait_for(
+            engine.generate({"prompt_token_ids": [[1], [2], [666]], "sampling_params": {}}), 10
+        )
+    except ValueError as exc:
+        out["batch_refused"] = [str(exc), gateway.calls]
     out["salts"] = {
         salt: vllm_cache_salt(salt)
         for salt in ("3", "policy@3", "policy@4", "a/b", "x" * 128, "x" * 129)

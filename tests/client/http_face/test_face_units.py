@@ -157,6 +157,15 @@ def test_skyrl_adapter_asks_the_gateway_what_skyrls_client_asks_vllm():
     assert nccl_type == "NotImplementedError" and "BroadcastWeightUpdateRequest" in nccl
     assert nameless_type == "ValueError" and "lora_name" in nameless
     assert replay_type == "NotImplementedError" and "enable_return_routed_experts" in replay
+    # Issue 77 item 12: n null is one sample; item 4: a refused prompt ends the batch's
+    # other requests (cancelled: their streams abort them), none left running.
+    assert done["n_null"] == [[[8, 9]], [["generate", [7], None]]]
+    message, calls = done["batch_refused"]
+    assert "666" in message
+    assert sorted(c for c in calls if c[0] == "cancelled") == [
+        ["cancelled", [1]],
+        ["cancelled", [2]],
+    ]
     salts = done["salts"]
     assert salts["3"] == "3" and salts["x" * 128] == "x" * 128
     mapped = [salts[s] for s in ("policy@3", "policy@4", "a/b", "x" * 129)]

@@ -286,7 +286,10 @@ async def test_abort_requests_by_the_id_answered(servers):
     }
     running = asyncio.ensure_future(face.post("/inference/v1/generate", long))
     async with asyncio.timeout(30):
-        while "generate-tokens-to-abort" not in state.live:
+        while not any(
+            answer_id == "generate-tokens-to-abort" and all(s.started for s in streams)
+            for (_, answer_id), streams in state.live.items()
+        ):
             await asyncio.sleep(0.02)
     status, answer = await face.post(
         "/inference/v1/abort_requests", {"request_ids": ["generate-tokens-to-abort"]}

@@ -46,7 +46,9 @@ class Served:
 async def served(request: pytest.FixtureRequest):  # noqa: ANN201
     """vLLM's server and a gateway on one model, started side by side."""
     model = str(ensure_text_model(request.param))
-    server = OpenAIServer(model, TEST_MAX_MODEL_LEN)
+    server = OpenAIServer(
+        model, TEST_MAX_MODEL_LEN, "--enable-scale-out"
+    )  # + /inference/v1/generate
     try:
         open_control = ControlPolicy(open=True)  # GetStats
         async with engine_gateway(cpu_engine_args(model), control=open_control) as gateway:
@@ -349,3 +351,64 @@ async def test_the_http_face_with_a_tokenizer_gives_vllms_text_for_text_prompts(
             assert got == expected, (served.kind, seed, case)
             stops += sum(isinstance(c[4], str) for c in got)
         assert stops >= 4, stops  # the cases do end on stop strings
+
+
+def _generate_choices(answer: Any) -> list[tuple]:
+    """(index, text, token ids, finish reason, stop reason, logprob entries) of each choice
+    of a generate answer, whole or streamed; logprobs to 4 decimals."""
+    events = [answer] if isinstance(answer, dict) else answer[:-1]
+    merged: dict[int, list] = {}
+    for event in events:
+        for c in event["choices"]:
+            m = merged.setdefault(c["index"], [c["index"], "", [], None, None, []])
+            m[1] += c["text"]
+            m[2] += c["token_ids"] or []
+            if c["finish_reason"]:
+                m[3], m[4] = c["finish_reason"], c["stop_reason"]
+            for e in (c["logprobs"] or {}).get("content") or []:
+                tops = [(t["token"], t["bytes"], round(t["logprob"], 4)) for t in e["top_logprobs"]]
+                m[5].append((e["token"], e["bytes"], round(e["logprob"], 4), tops))
+    return [tuple(merged[i]) for i in sorted(merged)]
+
+
+async def test_the_http_faces_generate_text_mode_equals_vllm_serves(served):
+    """Issue 77 item 15: ``/inference/v1/generate`` with ``output_mode: "text"`` on a face
+    with ``--tokenizer`` answers as ``vllm serve`` does: text with its stop strings and
+    special-token options, the ids of every token, the chat-shaped logprobs (token text,
+    bytes, candidates), streamed and not, greedy and seeded n = 2."""
+    import aiohttp
+
+    from tests.client.http_face.conftest import Http, face_over
+
+    vllm_url = f"http://127.0.0.1:{served.server.port}"
+    async with (
+        face_over(served.gateway, tokenizer=served.tokenizer) as (_, base),
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
+    ):
+        face, vllm = Http(session, base), Http(session, vllm_url)
+        stops = 0
+        for seed in range(6):
+            prompt = _prompt(seed, served.tokenizer)
+            n = 2 if seed % 3 == 1 else 1
+            sampling = {**_sampling(seed if n == 1 else 3 * seed, n, {}), "max_tokens": 30}
+            free_body = {"token_ids": prompt, "sampling_params": sampling, "output_mode": "text"}
+            status, free = await face.post("/inference/v1/generate", free_body, headers=None)
+            assert status == 200, free
+            case = _case(seed, served.tokenizer, free["choices"][0]["text"])
+            stream = case.pop("stream")
+            text_fields = {k: case[k] for k in ("stop", "include_stop_str_in_output",
+                                                 "skip_special_tokens")}  # fmt: skip
+            body = {
+                **free_body,
+                "sampling_params": {**sampling, **text_fields, "max_tokens": 40, "logprobs": 2},
+                "stream": stream,
+            }
+            (fs, f_answer), (vs, v_answer) = await asyncio.gather(
+                face.post("/inference/v1/generate", body, headers=None),
+                vllm.post("/inference/v1/generate", body, headers=None),
+            )
+            assert (fs, vs) == (200, 200), (f_answer, v_answer)
+            got, expected = _generate_choices(f_answer), _generate_choices(v_answer)
+            assert got == expected, (served.kind, seed, case)
+            stops += sum(isinstance(c[4], str) for c in got)
+        assert stops >= 3, stops
