@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     face = _Process(
         [sys.executable, "-m", "client.http_face", "--gateway", gateway.ipc, "--port",
-         str(face_port), "--connect-timeout", "300"],
+         str(face_port), "--connect-timeout", "300", "--max-in-flight-per-caller", "1000000"],
         "http-face.log",
     )  # fmt: skip
     targets = {

@@ -420,6 +420,9 @@ class HttpFaceTarget(_GenerateRouteTarget):
                 str(self.port),
                 "--connect-timeout",
                 "300",
+                # One load generator, one caller: the whole budget, as vllm serve gives it.
+                "--max-in-flight-per-caller",
+                "1000000",
             ],
             "http-face.log",
         )
