@@ -89,6 +89,8 @@ from .errors import (
 )
 from .results import CompletionCalls
 
+_SCHEMES = ("tcp://", "ipc://", "inproc://")  # what ZeroMQ connects a DEALER to
+
 __all__ = ["AsyncClient", "RequestStream"]
 
 logger = logging.getLogger("engine_gateway.client")
@@ -297,6 +299,11 @@ class AsyncClient(CompletionCalls):
         ReloadWeights of a very large checkpoint may need more). The gateway may still
         carry the call out; a lost session fails it at once with SessionLost.
         """
+        if not isinstance(address, str) or not address.startswith(_SCHEMES):
+            raise ValueError(
+                f"a gateway address is tcp://HOST:PORT or ipc://PATH (e.g."
+                f" tcp://127.0.0.1:5557), got {address!r}"
+            )
         self.address = address
         self.name = name
         self.identity = identity or b"c-" + os.urandom(8).hex().encode()
@@ -367,13 +374,7 @@ class AsyncClient(CompletionCalls):
                 ack = await self._first_session
         except TimeoutError:
             await self.aclose()
-            cause = (
-                "a CURVE gateway answers nothing to a key it does not allow, or is another"
-                " gateway's public key given?"
-                if self._curve_keys is not None
-                else "a CURVE gateway answers nothing to a client without keys"
-                " (curve_keys=client.load_client_keys(server.key, NAME.key_secret))"
-            )
+            cause = curve_hint(self._curve_keys is not None)
             raise GatewayUnavailable(
                 f"no HelloAck from {self.address} within {self._connect_timeout_s:g}s"
                 f" (connect_timeout_s): is a gateway serving there? {cause}"
@@ -976,3 +977,16 @@ class AsyncClient(CompletionCalls):
         self._calls.clear()
         self._pongs.clear()
         self._abort_waiters.clear()
+
+
+def curve_hint(with_keys: bool) -> str:
+    """What a silent gateway most often means, for a client with or without CURVE keys."""
+    if with_keys:
+        return (
+            "a CURVE gateway answers nothing to a key it does not allow, or is another"
+            " gateway's public key given?"
+        )
+    return (
+        "a CURVE gateway answers nothing to a client without keys"
+        " (curve_keys=client.load_client_keys(server.key, NAME.key_secret))"
+    )

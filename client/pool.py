@@ -39,7 +39,7 @@ from codec import (
 )
 
 from ._compat import timeout as compat_timeout
-from .aio import AsyncClient, RequestStream
+from .aio import AsyncClient, RequestStream, curve_hint
 from .errors import ClientError, GatewayUnavailable
 from .results import CompletionCalls
 
@@ -131,9 +131,11 @@ class GatewayPool(CompletionCalls):
                     await asyncio.sleep(0.01)
         except TimeoutError:
             await self.aclose()
+            keys = self._client_kwargs.get("curve_keys") is not None
             raise GatewayUnavailable(
                 f"none of {len(self.clients)} gateways answered within {timeout}s: "
                 + ", ".join(c.address for c in self.clients)
+                + f" (is a gateway serving there? {curve_hint(keys)})"
             ) from None
 
     async def _join(self, client: AsyncClient) -> None:

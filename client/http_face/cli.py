@@ -20,11 +20,21 @@ import sys
 __all__ = ["http_main"]
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The module's docstring as written, and each flag's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS, []):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engine-gateway http",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     parser.add_argument(
         "--gateway",
@@ -37,7 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("VLLM_API_KEY"),
         help="the operator's bearer token (default: $VLLM_API_KEY); control routes need it",
     )
     parser.add_argument(
@@ -95,6 +104,11 @@ async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes
         from client.text import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
+    logger.info(
+        "waiting up to %gs (--connect-timeout) for a session with %s",
+        args.connect_timeout,
+        ", ".join(args.gateway),
+    )
     async with GatewayPool(
         args.gateway,
         name="http-face",
@@ -138,10 +152,15 @@ async def _serve(args: argparse.Namespace, curve_keys: tuple[bytes, bytes, bytes
 def http_main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.api_key is None:  # read here: the help never shows the token
+        args.api_key = os.environ.get("VLLM_API_KEY")
     try:
         import aiohttp  # noqa: F401
     except ImportError:
         parser.error("needs aiohttp: pip install 'engine-gateway[http]'")
+    for address in args.gateway:
+        if not address.startswith(("tcp://", "ipc://")):
+            parser.error(f"--gateway {address!r}: give it as tcp://HOST:PORT or ipc://PATH")
     for name in ("max_prompts_per_request", "max_samples_per_request"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

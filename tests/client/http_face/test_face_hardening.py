@@ -432,3 +432,29 @@ async def test_generate_answers_text_with_a_tokenizer(tiny_tokenizer):
     async with face_on(Recording(), api_key=TOKEN) as (_, http):  # no tokenizer
         status, answer = await http.post("/inference/v1/generate", body)
         assert status == 400 and "--tokenizer" in answer["error"]["message"]
+
+
+def test_the_face_says_what_it_waits_for_and_why_a_gateway_may_be_silent():
+    """Issue 81 item 7: a --gateway where nothing answers: the face logs what it waits for
+    and for how long, then exits 3 naming the address and the likely causes (CURVE);
+    an address without its scheme is a usage error; the help shows each default."""
+    import subprocess
+    import sys
+
+    from client import AsyncClient
+
+    argv = [sys.executable, "-m", "client.http_face", "--port", "0", "--connect-timeout", "1"]
+    done = subprocess.run([*argv, "--gateway", "tcp://127.0.0.1:9"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert (
+        "waiting up to 1s (--connect-timeout) for a session with tcp://127.0.0.1:9" in done.stderr
+    )
+    assert "is a gateway serving there?" in done.stderr and "CURVE" in done.stderr
+    done = subprocess.run([*argv, "--gateway", "127.0.0.1:9"], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "tcp://HOST:PORT" in done.stderr
+    helped = subprocess.run([*argv[:3], "--help"], capture_output=True, text=True, timeout=60)
+    assert "(default: 60.0)" in helped.stdout and "(default: 1024)" in helped.stdout
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        AsyncClient("127.0.0.1:5557")
