@@ -101,6 +101,11 @@ class AdmittedStream:
             self._holding = False
             self._slots.release(self._caller)
 
+    def abort_samples(self, indices: Any) -> None:
+        """As RequestStream.abort_samples (client.text ends a sample on a stop string)."""
+        if self._started:
+            self.stream.abort_samples(indices)
+
     async def aclose(self) -> None:
         try:
             await self.stream.aclose()  # an Abort when it is still live

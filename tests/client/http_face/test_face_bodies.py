@@ -343,3 +343,54 @@ def test_generate_response_of_completions_counts_every_sample():
     assert [c["index"] for c in answer["choices"]] == [0, 1]
     empty = generate_response("r", "m", 1, [], [1, 2], top_logprobs=None, return_token_ids=False)
     assert empty["usage"]["prompt_tokens"] == 2 and empty["prompt_token_ids"] is None
+
+
+def test_the_edges_the_mutation_run_found():
+    """Boundaries and pass-throughs a changed constant or argument would break."""
+    ok, _, _ = parse_completion(b'{"prompt": [1], "request_id": "%s"}' % (b"r" * 256))
+    assert len(ok.request_id) == 256
+    assert _refused(parse_generate, _generate(output_mode="text")).param == "output_mode"
+    assert _refused(parse_completion, b'{"prompt": "x"}').param == "prompt"
+    assert _refused(parse_completion, b'{"prompt": [""]}', text_prompts=True).param == "prompt"
+    assert _refused(parse_completion, b'{"prompt": [1], "n": "x"}').param == "body.n"
+    # A sampled token outside the top-k keeps its own rank; NaN is clamped as -inf is.
+    from client.http_face.responses import logprobs_content
+
+    outside = Logprobs(token_ids=[[9, 4, 5]], logprobs=[[math.nan, -0.5, -2.0]], ranks=[3])
+    (entry,) = logprobs_content(outside, 1)
+    assert (entry["rank"], entry["logprob"]) == (3, -9999.0)
+    assert [(t["token_id"], t["rank"]) for t in entry["top_logprobs"]] == [(9, 3)]
+    # Text-mode choices: chat-shaped logprobs through decode, placeholders without one.
+    end = Ended(FinishReason.STOP, [4, 5, 6])
+    text = generate_choice(0, [9, 12], end, None, ROWS, 1, text="x", decode=lambda t: f"<{t}>")
+    assert text["stop_reason"] == 6
+    assert [e["token"] for e in text["logprobs"]["content"]] == ["<9>", "<12>"]
+    placeholders = generate_choice(0, [9, 12], end, None, ROWS, 0, text="x")
+    assert placeholders["logprobs"]["content"][0]["token"] == "token_id:9"
+    assert (
+        generate_choice(0, [], Ended(FinishReason.STOP, []), None, None, None)["stop_reason"]
+        is None
+    )
+    # Offsets accumulate each token's length.
+    three = Logprobs(token_ids=[[1], [22], [333]], logprobs=[[-1.0], [-1.0], [-1.0]],
+                     ranks=[1, 1, 1])  # fmt: skip
+    assert completion_logprobs(three, 0, decode=str)["text_offset"] == [0, 1, 3]
+    stopped = completion_choice(0, [1], None, Ended(FinishReason.STOP, 7), [3], streamed=True)
+    assert (stopped["stop_reason"], stopped["prompt_token_ids"]) == (7, [3])
+
+
+def test_generate_response_passes_each_completions_fields_through():
+    from client.http_face.responses import generate_response
+
+    spans = [WeightVersionSpan("v3", 0, 2)]
+    done = Completion("r", 0, [9, 12], FinishReason.STOP, 12, 9, 2, 0, logprobs=ROWS,
+                      weight_versions=spans)  # fmt: skip
+    answer = generate_response("req", "model", 77, [done], [1, 2, 3], top_logprobs=1,
+                               return_token_ids=False)  # fmt: skip
+    assert (answer["request_id"], answer["model"], answer["created"]) == ("req", "model", 77)
+    assert answer["usage"]["prompt_tokens"] == 9  # the gateway's count, not len(prompt)
+    (choice,) = answer["choices"]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", 12)
+    assert choice["weight_versions"] == [{"version": "v3", "start": 0, "end": 2}]
+    assert [e["token_id"] for e in choice["logprobs"]["content"]] == [9, 12]
+    assert len(choice["logprobs"]["content"][0]["top_logprobs"]) == 1

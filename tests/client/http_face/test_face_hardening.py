@@ -458,3 +458,23 @@ def test_the_face_says_what_it_waits_for_and_why_a_gateway_may_be_silent():
     assert "(default: 60.0)" in helped.stdout and "(default: 1024)" in helped.stdout
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         AsyncClient("127.0.0.1:5557")
+
+
+async def test_a_stop_string_in_one_of_n_samples_ends_that_sample(tiny_tokenizer):
+    """With n = 2 and a stop string, client.text ends the first sample that meets it in
+    the engine (AbortSamples through the admitted stream) while the other goes on (the
+    fake engine's samples are equal: each meets it in turn)."""
+    engine = Recording(step_interval_s=0.001)
+    async with face_on(engine, api_key=TOKEN, tokenizer=tiny_tokenizer) as (_, http):
+        free = {"prompt": [5], "max_tokens": 6}
+        status, answer = await http.post("/v1/completions", free)
+        stop = answer["choices"][0]["text"][1]
+        for stream in (False, True):
+            body = {"prompt": [5], "n": 2, "max_tokens": 6, "stop": [stop], "stream": stream}
+            status, answer = await http.post("/v1/completions", body)
+            assert status == 200, answer
+            events = answer[:-1] if stream else [answer]
+            assert all("choices" in e for e in events), events
+            ends = {c["index"]: (c["finish_reason"], c["stop_reason"]) for e in events
+                    for c in e["choices"] if c["finish_reason"]}  # fmt: skip
+            assert ends == {0: ("stop", stop), 1: ("stop", stop)}, ends
