@@ -23,7 +23,7 @@ import openai
 from verifiers.v1.clients.train import TrainClient
 from verifiers.v1.configs.client import TrainClientConfig
 
-from client.errors import ClientError
+from client.errors import ClientError, RequestFailed
 from client.http_face.bodies import HttpError, options_from, parse_generate, sampling_from
 from client.http_face.replies import error_of
 from client.http_face.responses import generate_response
@@ -71,6 +71,7 @@ class GatewayGenerate:
         self, url: str, *, body: dict[str, Any], options: Any = None, **_: Any
     ) -> httpx.Response:
         headers = (options or {}).get("headers") or {}
+        lora: str | None = None
         try:
             request = parse_generate(msgspec.json.encode(body))
             model = await self.model()
@@ -86,6 +87,19 @@ class GatewayGenerate:
                 completions = await completions_of(stream)
             finally:
                 await stream.aclose()
+        except RequestFailed as exc:
+            error = error_of(exc)
+            if lora is not None and self._model and "is not loaded" in exc.message:
+                error = HttpError(
+                    404,
+                    f"The model `{lora}` does not exist: the gateway serves"
+                    f" `{self._model.name}`"
+                    " (verifiers' model must be that name) and the LoRA adapters loaded on"
+                    " it by name",
+                    kind="NotFoundError",
+                    param="model",
+                )
+            raise self._error(error, url) from exc
         except (HttpError, ClientError) as exc:
             raise self._error(error_of(exc), url) from exc
         answer = generate_response(

@@ -134,7 +134,11 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         if model in self.loras:
             return model
         raise HttpError(
-            404, f"The model `{model}` does not exist.", kind="NotFoundError", param="model"
+            404,
+            f"The model `{model}` does not exist: this face serves `{self.model_name}` and the"
+            " LoRA adapters loaded on it (/v1/models lists them)",
+            kind="NotFoundError",
+            param="model",
         )
 
     def text_params(self, fields: dict[str, Any]) -> Any:

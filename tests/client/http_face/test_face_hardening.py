@@ -54,12 +54,17 @@ class LoraEngine(Recording):
 
 
 @contextlib.asynccontextmanager
-async def face_on(*engines: Any, gateway_limits: GatewayLimits | None = None, **face_kwargs: Any):
+async def face_on(
+    *engines: Any,
+    gateway_limits: GatewayLimits | None = None,
+    control: ControlPolicy | None = None,
+    **face_kwargs: Any,
+):
     """A face over gateways on ``engines`` (control allowed to the face): ``(face, Http)``."""
     async with contextlib.AsyncExitStack() as stack:
         gateways = [
             await stack.enter_async_context(
-                running_gateway(e, gateway_limits, control=ControlPolicy(open=True))
+                running_gateway(e, gateway_limits, control=control or ControlPolicy(open=True))
             )
             for e in engines
         ]
@@ -478,3 +483,18 @@ async def test_a_stop_string_in_one_of_n_samples_ends_that_sample(tiny_tokenizer
             ends = {c["index"]: (c["finish_reason"], c["stop_reason"]) for e in events
                     for c in e["choices"] if c["finish_reason"]}  # fmt: skip
             assert ends == {0: ("stop", stop), 1: ("stop", stop)}, ends
+
+
+async def test_control_refusals_say_who_refused_and_what_to_change():
+    """Issue 81 item 5: the operator's token on a face whose gateway does not allow the
+    face control calls is a 403 naming both fixes (--control-key, --control-open); a wrong
+    token and no token are 401s that say which."""
+    async with face_on(Recording(), control=ControlPolicy(), api_key=TOKEN) as (_, http):
+        status, answer = await http.post("/pause")
+        assert status == 403, answer
+        assert "--control-key" in answer["error"]["message"]
+        assert "--control-open" in answer["error"]["message"]
+        status, answer = await http.post("/pause", headers={"Authorization": "Bearer nope"})
+        assert status == 401 and "is not the face's --api-key" in answer["error"]["message"]
+        status, answer = await http.post("/pause", headers=None)
+        assert status == 401 and "none was sent" in answer["error"]["message"]

@@ -450,6 +450,9 @@ async def test_verifiers_train_client_unchanged_over_three_turns_with_tool_messa
     # id, over the socket.
     refused_type, status, message = native_run.pop("refused")
     assert (refused_type, status) == ("BadRequestError", 400) and "1000000" in message
+    unknown_type, status, message = native_run.pop("unknown_model")
+    assert (unknown_type, status) == ("NotFoundError", 404), message
+    assert f"the gateway serves `{model}`" in message
     assert native_run == face_run, native_run
     assert vllm_run["error"] == "MalformedGenerateResponseError", vllm_run
     assert "token_id:" in vllm_run["message"]

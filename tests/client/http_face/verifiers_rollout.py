@@ -37,6 +37,14 @@ async def rollout(target: str, tokenizer: str, model: str) -> dict:
                 await transport.post("/inference/v1/generate", body=body)
             except Exception as exc:  # noqa: BLE001 - reported, the test checks its type
                 done["refused"] = [type(exc).__name__, getattr(exc, "status_code", None), str(exc)]
+            # A short model name (not the gateway's, no adapter of that name): a 404 that
+            # names the gateway's model (issue 81 item 4).
+            short = {**body, "model": "tiny", "token_ids": [1]}
+            try:
+                await transport.post("/inference/v1/generate", body=short)
+            except Exception as exc:  # noqa: BLE001
+                done["unknown_model"] = [type(exc).__name__, getattr(exc, "status_code", None),
+                                         str(exc)]  # fmt: skip
             return done
     from verifiers.v1.clients.train import TrainClient
 
