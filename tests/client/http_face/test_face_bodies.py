@@ -117,7 +117,8 @@ def test_generate_refusals_name_their_field():
     assert parse_generate(_generate(output_mode="text"), text_output=True).output_mode == "text"
     no_detok = _generate(output_mode="text", sampling_params={"detokenize": False})
     assert _refused(parse_generate, no_detok, text_output=True).param == "output_mode"
-    assert _refused(parse_generate, b"not json").kind == "Bad Request"
+    malformed = _refused(parse_generate, b"not json")
+    assert (malformed.kind, malformed.param) == ("Bad Request", None)
 
 
 def test_sampling_values_are_checked_and_mapped():
@@ -204,7 +205,7 @@ def test_completion_refusals_name_their_field():
                                                       "Bad Request")  # fmt: skip
     assert _refused(parse_completion, b"{").kind == "Bad Request"
     many = _refused(parse_completion, b'{"prompt": [[1], [2], [3]]}', max_prompts=2)
-    assert "3 prompts" in many.message
+    assert "3 prompts" in many.message and many.param == "prompt"
     assert len(parse_completion(b'{"prompt": [[1], [2]]}', max_prompts=2)[1]) == 2
 
 
