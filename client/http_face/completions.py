@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from client.tasks import all_or_none
+from client.text.logprob_tokens import LogprobTokenText
 from codec import Logprobs
 
 from .access import routing_key
@@ -100,13 +101,19 @@ class _Answer:
         self.head, self.prompts, self.n, self.body = head, prompts, n, body
         self.tokenizer, self.as_ids = tokenizer, as_ids
         self.ids = bool(body.return_token_ids)
+        self.decode = None if as_ids else LogprobTokenText(tokenizer).text
+        self.sampled: dict[int, list[int]] = {}  # per choice, its ids streamed so far
 
-    def logprobs(self, rows: Logprobs | None) -> dict[str, Any] | None:
+    def logprobs(self, choice: int, rows: Logprobs | None, ids: list[int]) -> dict[str, Any] | None:
+        """A choice's logprobs for its new ``ids`` (``rows``), after the ids it had."""
+        before = self.sampled.setdefault(choice, [])
         if self.body.logprobs is None:
             return None
-        rows = rows or Logprobs([], [], [])
-        decode = None if self.as_ids else (lambda t: self.tokenizer.decode([t]))
-        return completion_logprobs(rows, self.body.logprobs, decode)
+        answer = completion_logprobs(
+            rows or Logprobs([], [], []), self.body.logprobs, self.decode, before
+        )
+        before += ids
+        return answer
 
     async def whole(self, streams: list[Any], fingerprint: str) -> web.Response:
         # One prompt refused: the others are cancelled (their requests aborted), none left.
@@ -120,7 +127,7 @@ class _Answer:
                 choice = completion_choice(
                     p * self.n + index,
                     sample.token_ids if self.ids else None,
-                    self.logprobs(sample.logprobs),
+                    self.logprobs(p * self.n + index, sample.logprobs, sample.token_ids),
                     sample.end,
                     prompt if self.ids else None,
                     streamed=False,
@@ -193,7 +200,7 @@ class _Answer:
                 choice = completion_choice(
                     index,
                     piece.token_ids if self.ids else None,
-                    self.logprobs(piece.logprobs),
+                    self.logprobs(index, piece.logprobs, piece.token_ids),
                     end,
                     prompt_ids,
                     streamed=True,

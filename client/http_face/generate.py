@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from client.errors import ClientError
+from client.text.logprob_tokens import LogprobTokenText
 
 from .pieces import Piece, Sample, fold
 from .replies import Ended, error_of, sse
@@ -29,14 +30,16 @@ class GenerateAnswer:
         self.body = body
         self.top = top
         self.text = text
-        self.decode = (lambda t: tokenizer.decode([t])) if text else None
+        self.decode = LogprobTokenText(tokenizer).text if text else None
         self.mode = "text" if text else "tokens"
+        self.sampled: dict[int, list[int]] = {}  # per sample, its ids streamed so far
 
     def _choice(
         self, index: int, token_ids: list[int], end: Ended | None, finished: Any, logprobs: Any,
         text: str,
     ) -> dict[str, Any]:  # fmt: skip
-        return generate_choice(
+        before = self.sampled.setdefault(index, [])
+        choice = generate_choice(
             index,
             token_ids,
             end,
@@ -45,7 +48,10 @@ class GenerateAnswer:
             self.top,
             text=text if self.text else None,
             decode=self.decode,
+            before=before,
         )
+        before += token_ids
+        return choice
 
     def whole(self, model: str, created: int, samples: dict[int, Sample]) -> dict[str, Any]:
         """The whole answer of a request's samples (``fold``)."""

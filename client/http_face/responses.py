@@ -9,7 +9,7 @@ still requires; vLLM's own fields (``token_id``, ``logprob``, ``rank``) are unch
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from client.results import Completion
@@ -38,6 +38,7 @@ _FINISH_NAMES = {
     FinishReason.TIMED_OUT: "abort",  # no such reason in vLLM: the request was cut short
 }
 LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf and NaN
+TokenText = Callable[[int, Sequence[int]], str]  # a token's text after the sampled ids
 
 
 def finish_reason_name(reason: FinishReason) -> str:
@@ -125,7 +126,8 @@ def generate_choice(
     top: int | None,
     *,
     text: str | None = None,
-    decode: Callable[[int], str] | None = None,
+    decode: TokenText | None = None,
+    before: Sequence[int] = (),
 ) -> dict[str, Any]:
     """One choice of ``/inference/v1/generate`` (``end``: how the sample ended, or None in
     a stream's chunk before its end): ``GenerateTokensChoice``, or with ``text`` (the
@@ -137,7 +139,8 @@ def generate_choice(
         if text is None:
             logprobs = {"content": logprobs_content(rows, top)}
         else:
-            logprobs = {"content": text_logprobs_content(rows, top, decode or _placeholder)}
+            content = text_logprobs_content(rows, top, decode or _placeholder, before)
+            logprobs = {"content": content}
     choice: dict[str, Any] = {
         "index": index,
         "finish_reason": finish_reason_name(end.finish_reason) if end else None,
@@ -211,20 +214,22 @@ def generate_response(
     )
 
 
-def _placeholder(token_id: int) -> str:
+def _placeholder(token_id: int, context: Sequence[int] = ()) -> str:
     return f"token_id:{token_id}"
 
 
 def text_logprobs_content(
-    logprobs: Logprobs, top: int, decode: Callable[[int], str]
+    logprobs: Logprobs, top: int, decode: TokenText, before: Sequence[int] = ()
 ) -> list[dict[str, Any]]:
     """The ``text`` output mode's logprobs (OpenAI's chat shape, as vLLM builds them): per
     token its text, logprob and UTF-8 bytes, and its candidates in the engine's order cut
-    to ``max(top, 1)`` (-1: every one)."""
+    to ``max(top, 1)`` (-1: every one). ``decode(token_id, context)`` gives a token's text
+    after the sample's preceding sampled ids (``before``, then each row's)."""
     keep = None if top == -1 else max(top, 1)
     content = []
+    context = list(before)
     for sampled, candidates in candidate_rows(logprobs):
-        token = decode(sampled)
+        token = decode(sampled, context)
         content.append(
             {
                 "token": token,
@@ -232,7 +237,7 @@ def text_logprobs_content(
                 "bytes": list(token.encode("utf-8", errors="replace")),
                 "top_logprobs": [
                     {
-                        "token": (text := decode(t)),
+                        "token": (text := decode(t, context)),
                         "logprob": _clamp(lp),
                         "bytes": list(text.encode("utf-8", errors="replace")),
                     }
@@ -240,6 +245,7 @@ def text_logprobs_content(
                 ],
             }
         )
+        context.append(sampled)
     return content
 
 
@@ -252,27 +258,29 @@ def _stop_reason(reason: int | list[int] | str | None) -> int | str | None:
 
 
 def completion_logprobs(
-    logprobs: Logprobs, top: int, decode: Callable[[int], str] | None = None
+    logprobs: Logprobs, top: int, decode: TokenText | None = None, before: Sequence[int] = ()
 ) -> dict[str, Any]:
     """The OpenAI completions ``logprobs`` object as vLLM's server makes it: tokens are
-    ``token_id:N`` (``return_tokens_as_token_ids``, or no tokenizer), else ``decode(id)``;
-    each position's ``top_logprobs`` holds the sampled token and ``top`` more (-1: every
-    candidate)."""
-    name = decode or (lambda t: f"token_id:{t}")
+    ``token_id:N`` (``return_tokens_as_token_ids``, or no tokenizer), else
+    ``decode(id, context)`` after the sample's preceding sampled ids; each position's
+    ``top_logprobs`` holds the sampled token and ``top`` more (-1: every candidate)."""
+    name = decode or _placeholder
     tokens, token_logprobs, tops, offsets = [], [], [], []
     last_len = 0
+    context = list(before)
     for sampled, candidates in candidate_rows(logprobs):
-        token = name(sampled)
+        token = name(sampled, context)
         tokens.append(token)
         token_logprobs.append(max(candidates[sampled][0], LOGPROB_FLOOR))
         tops.append(
             {
-                name(t): max(lp, LOGPROB_FLOOR)
+                name(t, context): max(lp, LOGPROB_FLOOR)
                 for t, (lp, _) in completion_candidates(candidates, top)
             }
         )
         offsets.append(offsets[-1] + last_len if offsets else 0)
         last_len = len(token)
+        context.append(sampled)
     return {
         "text_offset": offsets,
         "token_logprobs": token_logprobs,

@@ -240,7 +240,7 @@ ROWS = Logprobs(token_ids=[[9, 4, 9], [12, 7]], logprobs=[[-1.0, -0.5, -1.0], [-
 
 
 def test_completion_logprobs_carry_the_logprob_not_the_rank():
-    done = completion_logprobs(ROWS, 1, decode=lambda t: f"<{t}>")
+    done = completion_logprobs(ROWS, 1, decode=lambda t, _: f"<{t}>")
     assert done["tokens"] == ["<9>", "<12>"]
     assert done["token_logprobs"] == [-1.0, -0.1]
     assert done["top_logprobs"] == [{"<9>": -1.0, "<4>": -0.5}, {"<12>": -0.1, "<7>": -3.0}]
@@ -250,7 +250,7 @@ def test_completion_logprobs_carry_the_logprob_not_the_rank():
 
 
 def test_text_logprobs_are_the_chat_shape():
-    (first, second) = text_logprobs_content(ROWS, 1, decode=lambda t: "é" if t == 9 else str(t))
+    (first, second) = text_logprobs_content(ROWS, 1, decode=lambda t, _: "é" if t == 9 else str(t))
     assert first == {
         "token": "é",
         "logprob": -1.0,
@@ -260,7 +260,7 @@ def test_text_logprobs_are_the_chat_shape():
         ],
     }
     assert [t["token"] for t in second["top_logprobs"]] == ["12"]
-    every = text_logprobs_content(ROWS, -1, decode=str)
+    every = text_logprobs_content(ROWS, -1, decode=lambda t, _: str(t))
     assert [len(e["top_logprobs"]) for e in every] == [2, 2]
 
 
@@ -363,7 +363,7 @@ def test_the_edges_the_mutation_run_found():
     assert [(t["token_id"], t["rank"]) for t in entry["top_logprobs"]] == [(9, 3)]
     # Text-mode choices: chat-shaped logprobs through decode, placeholders without one.
     end = Ended(FinishReason.STOP, [4, 5, 6])
-    text = generate_choice(0, [9, 12], end, None, ROWS, 1, text="x", decode=lambda t: f"<{t}>")
+    text = generate_choice(0, [9, 12], end, None, ROWS, 1, text="x", decode=lambda t, _: f"<{t}>")
     assert text["stop_reason"] == 6
     assert [e["token"] for e in text["logprobs"]["content"]] == ["<9>", "<12>"]
     placeholders = generate_choice(0, [9, 12], end, None, ROWS, 0, text="x")
@@ -375,7 +375,7 @@ def test_the_edges_the_mutation_run_found():
     # Offsets accumulate each token's length.
     three = Logprobs(token_ids=[[1], [22], [333]], logprobs=[[-1.0], [-1.0], [-1.0]],
                      ranks=[1, 1, 1])  # fmt: skip
-    assert completion_logprobs(three, 0, decode=str)["text_offset"] == [0, 1, 3]
+    assert completion_logprobs(three, 0, decode=lambda t, _: str(t))["text_offset"] == [0, 1, 3]
     stopped = completion_choice(0, [1], None, Ended(FinishReason.STOP, 7), [3], streamed=True)
     assert (stopped["stop_reason"], stopped["prompt_token_ids"]) == (7, [3])
 
