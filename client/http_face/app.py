@@ -129,8 +129,8 @@ class HttpFace(CompletionRoutes, ControlRoutes):
 
     def lora_for(self, model: str | None) -> str | None:
         """The adapter a request's ``model`` names (None: the base model); 404 otherwise."""
-        if model is None or model == self.model_name or model == self.model.name:
-            return None
+        if model is None or model == self.model_name:  # as vllm serve: with
+            return None  # --served-model-name, the model's path is not a name it serves
         if model in self.loras:
             return model
         raise HttpError(

@@ -498,3 +498,10 @@ async def test_control_refusals_say_who_refused_and_what_to_change():
         assert status == 401 and "is not the face's --api-key" in answer["error"]["message"]
         status, answer = await http.post("/pause", headers=None)
         assert status == 401 and "none was sent" in answer["error"]["message"]
+
+
+async def test_a_served_model_name_replaces_the_models_path_as_vllm_serve_does():
+    async with face_on(Recording(), api_key=TOKEN, served_model_name="policy") as (face, http):
+        assert (await http.post("/inference/v1/generate", _generate(model="policy")))[0] == 200
+        status, answer = await http.post("/inference/v1/generate", _generate(model=face.model.name))
+        assert status == 404 and "this face serves `policy`" in answer["error"]["message"]
