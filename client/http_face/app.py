@@ -181,7 +181,8 @@ class HttpFace(CompletionRoutes, ControlRoutes):
                 stream=stream, request_id=None, options=options,
             )  # fmt: skip
         assert admitting.admitted is not None
-        return pieces_of(outputs, text=text is not None), admitting.admitted
+        eos = self.tokenizer.hf.eos_token_id if self.tokenizer is not None else None
+        return pieces_of(outputs, text=text is not None, eos_token_id=eos), admitting.admitted
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         caller = self.check_data_access(request)

@@ -42,12 +42,16 @@ class Sample:
     finished: Finished | None = None
 
 
-async def pieces_of(stream: Any, *, text: bool) -> AsyncIterator[Piece]:
+async def pieces_of(
+    stream: Any, *, text: bool, eos_token_id: int | None = None
+) -> AsyncIterator[Piece]:
     """``stream``'s outputs as Pieces: a pool request's RequestOutputs, or (``text``)
-    client.text's TextOutputs."""
+    client.text's TextOutputs. ``eos_token_id`` (a face with a tokenizer): a sample ended
+    on it has no stop reason, as vLLM's engine reports an EOS with a tokenizer loaded (the
+    gateway's engines, without one, stop on it as a stop token id and name it)."""
     async for out in stream:
         if text:
-            yield Piece(
+            piece = Piece(
                 out.index,
                 out.token_ids,
                 out.text,
@@ -56,16 +60,19 @@ async def pieces_of(stream: Any, *, text: bool) -> AsyncIterator[Piece]:
                 out.stop_reason,
                 out.finished,
             )
-            continue
-        fin = out.finished
-        yield Piece(
-            out.index,
-            out.new_token_ids,
-            logprobs=out.logprobs,
-            finish_reason=fin.finish_reason if fin else None,
-            stop_reason=fin.stop_reason if fin else None,
-            finished=fin,
-        )
+        else:
+            fin = out.finished
+            piece = Piece(
+                out.index,
+                out.new_token_ids,
+                logprobs=out.logprobs,
+                finish_reason=fin.finish_reason if fin else None,
+                stop_reason=fin.stop_reason if fin else None,
+                finished=fin,
+            )
+        if eos_token_id is not None and piece.stop_reason == eos_token_id:
+            piece.stop_reason = None
+        yield piece
 
 
 async def fold(pieces: AsyncIterator[Piece]) -> dict[int, Sample]:

@@ -505,3 +505,23 @@ async def test_a_served_model_name_replaces_the_models_path_as_vllm_serve_does()
         assert (await http.post("/inference/v1/generate", _generate(model="policy")))[0] == 200
         status, answer = await http.post("/inference/v1/generate", _generate(model=face.model.name))
         assert status == 404 and "this face serves `policy`" in answer["error"]["message"]
+
+
+async def test_an_eos_stop_reads_as_vllm_serve_gives_it_with_and_without_a_tokenizer(
+    tiny_tokenizer,
+):
+    """The gateway's engines (no tokenizer) stop on EOS as a stop token id and name it, as
+    vllm serve --skip-tokenizer-init does; a face with a tokenizer answers as vllm serve
+    with one: an EOS stop has no stop reason. The fake engine's sample from [510] reaches
+    EOS (2) at its fifth token."""
+    assert tiny_tokenizer.hf.eos_token_id == 2
+    body = {"token_ids": [510], "sampling_params": {"max_tokens": 10}}
+    for kwargs, expected in (({}, 2), ({"tokenizer": tiny_tokenizer}, None)):
+        async with face_on(Recording(), api_key=TOKEN, **kwargs) as (_, http):
+            for mode in ("tokens", "text") if kwargs else ("tokens",):
+                status, answer = await http.post(
+                    "/inference/v1/generate", {**body, "output_mode": mode}
+                )
+                (choice,) = answer["choices"]
+                assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", expected)
+                assert choice["token_ids"] == [510, 511, 0, 1, 2]
