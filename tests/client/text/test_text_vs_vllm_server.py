@@ -8,7 +8,9 @@ text, token ids, finish reason and stop reason; over 50 cases in all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,6 +301,21 @@ async def test_a_stop_string_in_one_sample_aborts_only_that_sample(served: Serve
     assert after["output_tokens"] - before["output_tokens"] < 450  # not 2 x 300
 
 
+@contextlib.asynccontextmanager
+async def _face_beside_vllm(served: Served) -> AsyncIterator[tuple[Any, Any]]:
+    """(face, vllm): JSON clients of a face with the served tokenizer over the gateway, and
+    of vLLM's server on the same model."""
+    import aiohttp
+
+    from tests.client.http_face.conftest import Http, face_over
+
+    async with (
+        face_over(served.gateway, tokenizer=served.tokenizer) as (_, base),
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
+    ):
+        yield Http(session, base), Http(session, f"http://127.0.0.1:{served.server.port}")
+
+
 def _merged_choices(answer: Any) -> list[tuple]:
     """(index, text, token ids, finish reason, stop reason) of each choice of a completions
     answer, whole or streamed (its SSE events, merged)."""
@@ -322,16 +339,7 @@ async def test_the_http_face_with_a_tokenizer_gives_vllms_text_for_text_prompts(
     """``engine-gateway http --tokenizer``: /v1/completions with text prompts (a batch of
     two), text, stop strings and special tokens as vLLM's server gives them, streamed and
     not, greedy and seeded n = 2 (issue 69)."""
-    import aiohttp
-
-    from tests.client.http_face.conftest import Http, face_over
-
-    vllm_url = f"http://127.0.0.1:{served.server.port}"
-    async with (
-        face_over(served.gateway, tokenizer=served.tokenizer) as (_, base),
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
-    ):
-        face, vllm = Http(session, base), Http(session, vllm_url)
+    async with _face_beside_vllm(served) as (face, vllm):
         stops = 0
         for seed in range(6):
             prompts = [f"question {seed}: café 日本語 😀?", f"tell {seed} more"]
@@ -376,16 +384,7 @@ async def test_the_http_faces_generate_text_mode_equals_vllm_serves(served):
     with ``--tokenizer`` answers as ``vllm serve`` does: text with its stop strings and
     special-token options, the ids of every token, the chat-shaped logprobs (token text,
     bytes, candidates), streamed and not, greedy and seeded n = 2."""
-    import aiohttp
-
-    from tests.client.http_face.conftest import Http, face_over
-
-    vllm_url = f"http://127.0.0.1:{served.server.port}"
-    async with (
-        face_over(served.gateway, tokenizer=served.tokenizer) as (_, base),
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
-    ):
-        face, vllm = Http(session, base), Http(session, vllm_url)
+    async with _face_beside_vllm(served) as (face, vllm):
         stops = 0
         for seed in range(6):
             prompt = _prompt(seed, served.tokenizer)
