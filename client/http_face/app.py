@@ -22,6 +22,7 @@ from aiohttp import web
 
 from client.errors import ClientError
 from client.pool import GatewayPool
+from client.text.logprob_tokens import LogprobTokenText
 from client.text.stream import TextStream
 from codec import ModelInfo, RequestOptions, SamplingParams
 
@@ -33,7 +34,7 @@ from .control import ControlRoutes
 from .fairness import CallerSlots
 from .generate import GenerateAnswer
 from .limits import MAX_BODY_BYTES, FaceLimits
-from .pieces import Piece, pieces_of
+from .pieces import Piece, fold, pieces_of
 from .replies import (
     MAX_CONTROL_BODY_BYTES,
     error_of,
@@ -84,6 +85,8 @@ class HttpFace(CompletionRoutes, ControlRoutes):
             queued_per_caller=self.limits.max_queued_per_caller,
         )
         self.text = TextPrompts(tokenizer, model.max_model_len) if tokenizer is not None else None
+        # Logprob tokens' texts; made once (it reads the whole tokenizer's configuration).
+        self.token_text = LogprobTokenText(tokenizer) if tokenizer is not None else None
 
     # ---- live requests, per caller, by the id answered (a reused id keeps each)
 
@@ -150,13 +153,15 @@ class HttpFace(CompletionRoutes, ControlRoutes):
         return text_params_from(fields)
 
     def answer_id(self, request: web.Request, given: str | None, prefix: str) -> str:
-        """The id answered: the body's, else X-Request-Id's, else a random one."""
-        base = given or request.headers.get("X-Request-Id") or os.urandom(8).hex()
-        if len(base) > MAX_REQUEST_ID_CHARS:
+        """The id answered: the body's (its parser bounded it), else X-Request-Id's, else
+        a random one."""
+        header = request.headers.get("X-Request-Id")
+        if not given and header is not None and len(header) > MAX_REQUEST_ID_CHARS:
             raise HttpError(
-                400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id"
-            )
-        return f"{prefix}{base}"
+                400, f"X-Request-Id longer than {MAX_REQUEST_ID_CHARS} characters",
+                param="X-Request-Id",
+            )  # fmt: skip
+        return f"{prefix}{given or header or os.urandom(8).hex()}"
 
     def start(
         self,
@@ -201,13 +206,12 @@ class HttpFace(CompletionRoutes, ControlRoutes):
             caller, request_id, body.token_ids, sampling, options,
             stream=bool(body.stream), text=text,
         )  # fmt: skip
-        answer = GenerateAnswer(
-            request_id, body, sampling.logprobs, self.tokenizer, text is not None
-        )
+        decode = self.token_text.text if self.token_text is not None else None
+        answer = GenerateAnswer(request_id, body, sampling.logprobs, decode, text is not None)
         try:
             if body.stream:
                 return await answer.streamed(request, pieces)
-            samples = await answer.collect(pieces)
+            samples = await fold(pieces)
             return json_answer(
                 answer.whole(body.model or self.model_name, int(time.time()), samples)
             )

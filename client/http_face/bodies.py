@@ -123,6 +123,14 @@ def decode_json(raw: bytes) -> Any:
         raise _too_deep() from None
 
 
+def _check_request_id(request_id: str | None) -> None:
+    """A caller's request id is echoed back and logged: at most MAX_REQUEST_ID_CHARS."""
+    if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise HttpError(
+            400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id"
+        )
+
+
 def _too_deep() -> HttpError:
     return HttpError(400, "JSON decode error: nested too deeply", kind="Bad Request")
 
@@ -160,10 +168,7 @@ def parse_generate(raw: bytes, *, text_output: bool = False) -> GenerateBody:
     for name, what in _UNSERVED_REQUEST_FIELDS.items():
         if getattr(body, name) is not None:
             raise HttpError(400, f"{name}: {what}; not served by engine-gateway", param=name)
-    if body.request_id is not None and len(body.request_id) > MAX_REQUEST_ID_CHARS:
-        raise HttpError(
-            400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id"
-        )
+    _check_request_id(body.request_id)
     if body.output_mode not in ("tokens", "text"):
         raise HttpError(
             400,
@@ -308,10 +313,7 @@ def parse_completion(
     if body.echo or body.use_beam_search:
         name = "echo" if body.echo else "use_beam_search"
         raise HttpError(400, f"{name} is not served by engine-gateway", param=name)
-    if body.request_id is not None and len(body.request_id) > MAX_REQUEST_ID_CHARS:
-        raise HttpError(
-            400, f"request_id longer than {MAX_REQUEST_ID_CHARS} characters", param="request_id"
-        )
+    _check_request_id(body.request_id)
     prompts = _prompts(body.prompt, text_prompts, max_prompts)
     sampling = {k: v for k, v in fields.items() if k not in _COMPLETION_REQUEST_FIELDS}
     sampling.setdefault("max_tokens", 16)  # the completions API's default, as vLLM's

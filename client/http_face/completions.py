@@ -20,7 +20,7 @@ from .access import routing_key
 from .bodies import options_from, parse_completion, sampling_from
 from .pieces import fold
 from .replies import Ended, error_of, json_answer, read_body, sse
-from .responses import completion_choice, completion_logprobs, final_usage, usage
+from .responses import TokenText, completion_choice, completion_logprobs, final_usage, usage
 from .text import TextPrompts
 
 
@@ -33,6 +33,7 @@ class CompletionRoutes:
     fingerprint: str
     tokenizer: Any
     text: TextPrompts | None
+    token_text: LogprobTokenText | None
     limits: Any
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -73,8 +74,8 @@ class CompletionRoutes:
             "created": int(time.time()),
             "model": body.model or self.model_name,
         }
-        as_ids = self.tokenizer is None or bool(body.return_tokens_as_token_ids)
-        answer = _Answer(head, prompts, n, body, self.tokenizer, as_ids)
+        as_ids = self.token_text is None or bool(body.return_tokens_as_token_ids)
+        answer = _Answer(head, prompts, n, body, None if as_ids else self.token_text.text)
         pieces = [p for p, _ in started]
         try:
             if body.stream:
@@ -95,13 +96,12 @@ class _Answer:
         prompts: list[list[int]],
         n: int,
         body: Any,
-        tokenizer: Any,
-        as_ids: bool,
+        decode: TokenText | None,
     ):
+        """``decode``: a logprob token's text (None: ``token_id:N``)."""
         self.head, self.prompts, self.n, self.body = head, prompts, n, body
-        self.tokenizer, self.as_ids = tokenizer, as_ids
         self.ids = bool(body.return_token_ids)
-        self.decode = None if as_ids else LogprobTokenText(tokenizer).text
+        self.decode = decode
         self.sampled: dict[int, list[int]] = {}  # per choice, its ids streamed so far
 
     def logprobs(self, choice: int, rows: Logprobs | None, ids: list[int]) -> dict[str, Any] | None:

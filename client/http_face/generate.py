@@ -10,11 +10,10 @@ from typing import Any
 from aiohttp import web
 
 from client.errors import ClientError
-from client.text.logprob_tokens import LogprobTokenText
 
-from .pieces import Piece, Sample, fold
+from .pieces import Piece, Sample
 from .replies import Ended, error_of, sse
-from .responses import final_usage, generate_body, generate_choice, usage
+from .responses import TokenText, final_usage, generate_body, generate_choice, usage
 
 __all__ = ["GenerateAnswer"]
 
@@ -23,14 +22,17 @@ _EVENT_STREAM = {"Content-Type": "text/event-stream"}
 
 class GenerateAnswer:
     """One generate request's answer: ``body`` (the parsed GenerateBody), ``top`` (its
-    sampling logprobs), ``tokenizer`` (for the text mode's logprob tokens)."""
+    sampling logprobs), ``decode`` (the text mode's logprob token texts: the face's
+    LogprobTokenText), ``text``: the text output mode."""
 
-    def __init__(self, request_id: str, body: Any, top: int | None, tokenizer: Any, text: bool):
+    def __init__(
+        self, request_id: str, body: Any, top: int | None, decode: TokenText | None, text: bool
+    ):
         self.request_id = request_id
         self.body = body
         self.top = top
         self.text = text
-        self.decode = LogprobTokenText(tokenizer).text if text else None
+        self.decode = decode if text else None
         self.mode = "text" if text else "tokens"
         self.sampled: dict[int, list[int]] = {}  # per sample, its ids streamed so far
 
@@ -73,9 +75,6 @@ class GenerateAnswer:
             ),
             text=self.text,
         )
-
-    async def collect(self, pieces: AsyncIterator[Piece]) -> dict[int, Sample]:
-        return await fold(pieces)
 
     async def streamed(
         self, request: web.Request, pieces: AsyncIterator[Piece]

@@ -51,13 +51,8 @@ class FaceLimits:
         return min(wanted, MAX_BODY_BYTES)
 
     def check_samples(self, prompts: int, n: int) -> None:
-        if prompts > self.max_prompts:
-            raise HttpError(
-                400,
-                f"{prompts} prompts in one request; this face takes at most {self.max_prompts}"
-                " (--max-prompts-per-request)",
-                param="prompt",
-            )
+        """At most ``max_samples`` samples (``prompts`` × ``n``) in one request; the count of
+        prompts itself is bounded where a body's prompts are read (``parse_completion``)."""
         if prompts * n > self.max_samples:
             raise HttpError(
                 400,

@@ -98,8 +98,7 @@ class Conversation:
     divergences: list[Divergence] = field(default_factory=list)
     _texts: list[str] = field(default_factory=list)  # each turn's text, as kept
     _awaiting_completion: bool = False
-    _ended_turn: bool = False  # the last completion ended on a special token
-    _ended_on: str = ""  # that token's text
+    _ended_on: str = ""  # the special token the last completion ended on (its turn), if any
     _message_end: str | None = None  # the special token the template ends a message with
 
     @classmethod
@@ -178,9 +177,9 @@ class Conversation:
         self.sampled_logprobs[len(self.token_ids) - len(ids) :] = values
         # Ended on a special token (its stop token): its turn is over, as sampled.
         special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
-        self._ended_turn = special and reason in (None, FinishReason.STOP)
+        ended_turn = special and reason in (None, FinishReason.STOP)
         self._ended_on = (
-            self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if self._ended_turn else ""
+            self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if ended_turn else ""
         )
         self._awaiting_completion = False
 
